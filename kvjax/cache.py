@@ -1,0 +1,50 @@
+"""The dense KV cache: a pytree passed into and returned from every step.
+
+Row ``b``'s token at position ``t`` lives in slot ``t`` (prompts are right-aligned to
+position 0 whatever their padding), so a slot index *is* the RoPE position and the
+causal rule ``t <= q`` is the whole mask: slots past a row's current position hold
+either nothing yet or the padding of a shorter prompt, and are never attended.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.config import ModelConfig
+from kvjax.models.attention import dense_attention
+
+
+@struct.dataclass
+class DenseCache:
+    k: tuple[jax.Array, ...]  # per layer [B, T, K, D], post-RoPE keys
+    v: tuple[jax.Array, ...]  # per layer [B, T, K, D]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "DenseCache":
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache):
+    """Attention backend: write the new keys/values at their positions, attend causally."""
+    B = q_BSHD.shape[0]
+    rows = jnp.arange(B)[:, None]
+    k_all = cache.k[layer].at[rows, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))
+    v_all = cache.v[layer].at[rows, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
+    T = k_all.shape[1]
+    k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    out, _ = dense_attention(q_BSHD, k_all.astype(q_BSHD.dtype), v_all.astype(q_BSHD.dtype),
+                             positions_BS, k_pos)
+    ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
+    vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]
+    return out, cache.replace(k=ks, v=vs)

@@ -1,0 +1,45 @@
+"""Synthetic reasoning-trace testbed: vocabulary/tokenizer, seeded generator, metrics."""
+
+from kvjax.data.metrics import (
+    answer_accuracy,
+    category_accuracy,
+    category_counts,
+    check_answer,
+    dataset_statistics,
+    parse_answer,
+    predictions_from_logits,
+)
+from kvjax.data.testbed import (
+    CATEGORIES,
+    COMPUTE,
+    LINE_KINDS,
+    LOOKUP_FAR,
+    LOOKUP_NEAR,
+    OTHER,
+    SPLITS,
+    Problem,
+    TestbedConfig,
+    apply_op,
+    batch,
+    collate,
+    generate_problem,
+    iter_batches,
+)
+from kvjax.data.vocab import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    VOCAB_SIZE,
+    build_tokenizer,
+    decode,
+    save_tokenizer,
+)
+
+__all__ = [
+    "BOS_ID", "CATEGORIES", "COMPUTE", "EOS_ID", "LINE_KINDS", "LOOKUP_FAR", "LOOKUP_NEAR", "OTHER",
+    "PAD_ID", "SPLITS", "UNK_ID", "VOCAB_SIZE", "Problem", "TestbedConfig", "answer_accuracy", "apply_op",
+    "batch", "build_tokenizer", "category_accuracy", "category_counts", "check_answer", "collate",
+    "dataset_statistics", "decode", "generate_problem", "iter_batches", "parse_answer",
+    "predictions_from_logits", "save_tokenizer",
+]
