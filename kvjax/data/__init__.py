@@ -1,5 +1,7 @@
 """Synthetic reasoning-trace testbed: vocabulary/tokenizer, seeded generator, metrics."""
 
+from kvjax.data.batching import batch, collate, iter_batches
+from kvjax.data.config import TestbedConfig
 from kvjax.data.metrics import (
     answer_accuracy,
     category_accuracy,
@@ -18,12 +20,8 @@ from kvjax.data.testbed import (
     OTHER,
     SPLITS,
     Problem,
-    TestbedConfig,
     apply_op,
-    batch,
-    collate,
     generate_problem,
-    iter_batches,
 )
 from kvjax.data.vocab import (
     BOS_ID,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvjax.data.testbed import CATEGORIES, COMPUTE, LINE_KINDS, LOOKUP_FAR, LOOKUP_NEAR, OTHER, TestbedConfig
-from kvjax.data.testbed import generate_problem
+from kvjax.data.config import TestbedConfig
+from kvjax.data.testbed import CATEGORIES, COMPUTE, LINE_KINDS, LOOKUP_FAR, LOOKUP_NEAR, OTHER, generate_problem
 from kvjax.data.vocab import EOS_ID, PAD_ID, id_to_number, is_name, tok
 
 GRADED = tuple(name for name in CATEGORIES if name != "other")

@@ -38,14 +38,14 @@ disjoint streams and a (config, split, index) triple always gives one problem.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvjax.data.vocab import BOS_ID, EOS_ID, MAX_NAMES, MAX_VALUES, OPERATORS, PAD_ID, decode, name_id, number_id, tok
+from kvjax.data.config import DERIVED_LEN, TestbedConfig, answer_len, scratch_len
+from kvjax.data.vocab import BOS_ID, EOS_ID, decode, name_id, number_id, tok
 
 OTHER, LOOKUP_NEAR, LOOKUP_FAR, COMPUTE = 0, 1, 2, 3
 CATEGORIES = ("other", "lookup_near", "lookup_far", "compute")
@@ -53,102 +53,11 @@ LINE_KINDS = ("header", "keep", "let", "use", "work", "answer")
 SPLITS = ("train", "valid", "test")
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-_DERIVED_LEN = 13  # `keep n = v + n = v -> n = v ;`, the longest non-scratch line
 
 
 def apply_op(op: str, a: int, b: int, num_values: int) -> int:
     """`a op b` modulo `num_values`."""
     return _OPS[op](a, b) % num_values
-
-
-def _scratch_len(steps: int) -> int:
-    return 3 + 4 * steps  # `work v (op v -> r)*steps ;`
-
-
-def _answer_len(terms: int) -> int:
-    query = 2 * terms + 1  # `query n (op n)* ;`
-    answer = 1 + 5 * terms + (terms - 1) + 2  # `answer n = v -> r (op n = v -> r)* ; <eos>`
-    return query + answer
-
-
-@dataclass(frozen=True)
-class TestbedConfig:
-    """All knobs of the generator; a bad value raises ValueError naming its field.
-
-    `length` is the token budget of a problem (lengths fall in
-    `[length - 6, length]`); scaling it scales the number of lines and every
-    delay. Curriculum knobs: `num_names` (names drawn from the first
-    `num_names` of the vocabulary), `num_defs` (prompt definitions),
-    `num_values`, `length`, `far_prob`.
-    """
-
-    __test__ = False  # keeps pytest from collecting this class by its name
-
-    length: int = 1024
-    num_names: int = MAX_NAMES
-    num_defs: int = 6
-    num_values: int = 10
-    ops: tuple[str, ...] = ("+", "-")
-    scratch_prob: float = 0.5  # a free line slot is scratch work (else a new fact)
-    scratch_steps: tuple[int, int] = (2, 6)  # operations per scratch line, inclusive
-    def_prob: float = 0.4  # a new fact is a literal definition (else derived)
-    keep_prob: float = 0.5  # a new fact is marked `keep` (else `let`)
-    keep_reuse: float = 0.8
-    let_reuse: float = 0.15
-    reuse_again: float = 0.6
-    bind_prob: float = 0.6  # a line that references a fact binds a new one (else `use`)
-    min_delay: int = 8
-    far_prob: float = 0.5
-    far_frac: float = 0.25
-    answer_terms: tuple[int, int] = (2, 4)  # inclusive range
-    seed: int = 0
-
-    def __post_init__(self):
-        for name in ("ops", "scratch_steps", "answer_terms"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in ("length", "num_names", "num_defs", "num_values", "min_delay", "seed"):
-            _check(isinstance(getattr(self, name), int), name, "must be an int")
-        _check(0 < self.far_frac < 1, "far_frac", "must be in (0, 1)")
-        for name in ("scratch_prob", "def_prob", "keep_prob", "keep_reuse", "let_reuse", "reuse_again",
-                     "bind_prob", "far_prob"):
-            _check(0.0 <= getattr(self, name) <= 1.0, name, "must be a probability in [0, 1]")
-        _check(2 <= self.num_values <= MAX_VALUES, "num_values", f"must be in 2..{MAX_VALUES}")
-        _check(len(self.ops) > 0 and set(self.ops) <= set(OPERATORS) and len(set(self.ops)) == len(self.ops),
-               "ops", f"must be distinct operators from {OPERATORS}")
-        _check(_is_range(self.scratch_steps, 1), "scratch_steps", "must be (lo, hi) with 1 <= lo <= hi")
-        _check(_is_range(self.answer_terms, 2), "answer_terms", "must be (lo, hi) with 2 <= lo <= hi")
-        _check(self.answer_terms[1] <= self.num_defs, "num_defs", "must be >= answer_terms[1]")
-        _check(self.num_defs <= self.num_names <= MAX_NAMES, "num_names", f"must be in num_defs..{MAX_NAMES}")
-        _check(0 <= self.seed < 2**32, "seed", "must be in 0..2**32-1")
-        _check(self.length >= self.min_length, "length", f"must be >= {self.min_length} for these knobs")
-        _check(1 <= self.min_delay < self.far_threshold, "min_delay", "must be in 1..far_frac*length-1")
-
-    @property
-    def far_threshold(self) -> int:
-        """A lookup is `lookup_far` when it copies a value more than this many tokens back."""
-        return int(self.far_frac * self.length)
-
-    @property
-    def prompt_length(self) -> int:
-        return 3 + 5 * self.num_defs + 2  # `<bos> facts :` defs `trace :`
-
-    @property
-    def min_length(self) -> int:
-        """Smallest `length` that fits the prompt, a few lines and the longest answer."""
-        return self.prompt_length + 4 * _DERIVED_LEN + _answer_len(self.answer_terms[1])
-
-    def scaled(self, factor: int) -> TestbedConfig:
-        """The same task with `factor` times the length (evaluation at 2x, 4x)."""
-        return dataclasses.replace(self, length=self.length * factor)
-
-
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"TestbedConfig.{field} {message}")
-
-
-def _is_range(pair: tuple, lowest: int) -> bool:
-    return len(pair) == 2 and all(isinstance(v, int) for v in pair) and lowest <= pair[0] <= pair[1]
 
 
 @dataclass(frozen=True)
@@ -329,8 +238,9 @@ class _Builder:
 
     def pick_answer_facts(self, terms: int) -> list[int]:
         """`terms` facts, preferring far ones, weighted by their marker's reuse probability."""
-        far = [n for n, f in self.facts.items() if self.pos - f.pos > self.cfg.far_threshold]
-        near = sorted((n for n in self.facts if n not in far), key=lambda n: self.facts[n].pos)
+        is_far = {n: self.pos - f.pos > self.cfg.far_threshold for n, f in self.facts.items()}
+        far = [n for n in self.facts if is_far[n]]
+        near = sorted((n for n in self.facts if not is_far[n]), key=lambda n: self.facts[n].pos)
         if len(far) <= terms:
             return far + near[: terms - len(far)]
         keep = LINE_KINDS.index("keep")
@@ -390,7 +300,7 @@ def generate_problem(cfg: TestbedConfig, split: str, index: int) -> Problem:
     """Problem `index` of `split` (deterministic in `cfg`, `split`, `index`)."""
     rng = problem_rng(cfg, split, index)
     terms = int(rng.integers(cfg.answer_terms[0], cfg.answer_terms[1] + 1))
-    end = cfg.length - _answer_len(terms)  # the trace must stop here
+    end = cfg.length - answer_len(terms)  # the trace must stop here
     b = _Builder(cfg, rng, end)
     b.emit(BOS_ID)
     b.words("facts", ":")
@@ -399,7 +309,7 @@ def generate_problem(cfg: TestbedConfig, split: str, index: int) -> Problem:
     b.start_line("header")
     b.words("trace", ":")
     prompt_len = b.pos
-    longest = max(_scratch_len(cfg.scratch_steps[1]), _DERIVED_LEN)
+    longest = max(scratch_len(cfg.scratch_steps[1]), DERIVED_LEN)
     while b.pos + longest <= end:
         refs = b.pop_due(2)
         if refs:
@@ -410,7 +320,7 @@ def generate_problem(cfg: TestbedConfig, split: str, index: int) -> Problem:
             b.definition()
         else:
             b.derived([], bind=True)
-    while end - b.pos >= _scratch_len(1):  # fill the remainder with shorter scratch lines
+    while end - b.pos >= scratch_len(1):  # fill the remainder with shorter scratch lines
         b.scratch(_steps(rng, cfg, (end - b.pos - 3) // 4))
     answer_start, answer_pos, answer = b.answer(terms)
     return Problem(
@@ -423,45 +333,3 @@ def generate_problem(cfg: TestbedConfig, split: str, index: int) -> Problem:
         answer_pos=answer_pos,
         answer=answer,
     )
-
-
-def collate(problems: list[Problem], seq_len: int) -> dict[str, np.ndarray]:
-    """Pad problems into a batch of `seq_len` columns.
-
-    tokens int32 [B, S] (pad id after the end); loss_mask bool [B, S], true on
-    real tokens except position 0 (targets of next-token prediction); category
-    int8 [B, S] (`other` on padding); last_use int32 [B, S]; and int32 [B]
-    length, prompt_len, answer_start, answer_pos, answer.
-    """
-    if any(len(p) > seq_len for p in problems):
-        raise ValueError(f"seq_len {seq_len} is shorter than a problem ({max(len(p) for p in problems)} tokens)")
-    n = len(problems)
-    out = {
-        "tokens": np.full((n, seq_len), PAD_ID, np.int32),
-        "loss_mask": np.zeros((n, seq_len), bool),
-        "category": np.zeros((n, seq_len), np.int8),
-        "last_use": np.full((n, seq_len), -1, np.int32),
-    }
-    for row, p in enumerate(problems):
-        out["tokens"][row, : len(p)] = p.tokens
-        out["loss_mask"][row, 1 : len(p)] = True
-        out["category"][row, : len(p)] = p.category
-        out["last_use"][row, : len(p)] = p.last_use
-    for key in ("prompt_len", "answer_start", "answer_pos", "answer"):
-        out[key] = np.array([getattr(p, key) for p in problems], np.int32)
-    out["length"] = np.array([len(p) for p in problems], np.int32)
-    return out
-
-
-def batch(cfg: TestbedConfig, split: str, start: int, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Problems `start .. start + batch_size - 1` of `split`, collated (see `collate`)."""
-    if seq_len < cfg.length:
-        raise ValueError(f"seq_len {seq_len} must be >= TestbedConfig.length {cfg.length}")
-    return collate([generate_problem(cfg, split, start + i) for i in range(batch_size)], seq_len)
-
-
-def iter_batches(cfg: TestbedConfig, split: str, batch_size: int, seq_len: int, start: int = 0):
-    """Endless batches of consecutive problems from `start` on."""
-    while True:
-        yield batch(cfg, split, start, batch_size, seq_len)
-        start += batch_size

@@ -1,0 +1,73 @@
+"""Orbax checkpoints: train state + JSON metadata (step, config, data position) saved
+together, asynchronously, keeping the last N; restore refuses what does not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, or read back into this run."""
+
+
+class Checkpointer:
+    def __init__(self, directory: str | Path, keep: int, *, async_save: bool = True):
+        self.dir = Path(directory).absolute()
+        self.mngr = ocp.CheckpointManager(
+            self.dir,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                                 create=True),
+            item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, state, meta: dict) -> None:
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        except Exception as e:  # noqa: BLE001 - reported with the path, previous checkpoints stay
+            raise CheckpointError(f"saving checkpoint step {step} under {self.dir} failed: {e}; "
+                                  f"earlier checkpoints are untouched") from e
+
+    def wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"finishing an asynchronous checkpoint under {self.dir} failed: {e}; "
+                                  f"earlier checkpoints are untouched") from e
+
+    def restore(self, step: int, abstract_state, expect_meta: dict) -> tuple[object, dict]:
+        """Restore ``step`` into the structure/shapes/shardings of ``abstract_state``."""
+        try:
+            meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step} under {self.dir} is corrupt or incomplete "
+                                  f"(metadata unreadable: {e})") from e
+        for key, want in expect_meta.items():
+            if meta.get(key) != want:
+                raise CheckpointError(
+                    f"checkpoint step {step} under {self.dir} is incompatible with this run: its {key!r} "
+                    f"differs ({_short(meta.get(key))} vs {_short(want)}); use a new out_dir or checkpoint.dir")
+        try:
+            restored = self.mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step} under {self.dir} could not be restored into this "
+                                  f"run's train state (corrupt, or written by a different model): {e}") from e
+        got = jax.tree.structure(restored)
+        if got != jax.tree.structure(abstract_state):
+            raise CheckpointError(f"checkpoint step {step} under {self.dir} has a different train-state layout")
+        return restored, meta
+
+    def close(self) -> None:
+        self.mngr.close()
+
+
+def _short(x) -> str:
+    s = json.dumps(x, sort_keys=True, default=str)
+    return s if len(s) < 200 else s[:200] + "..."

@@ -1,0 +1,147 @@
+"""The training config schema (``train.py --config X.yaml --set a.b=v``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Mode = Literal["pretrain", "distill_kvpop", "distill_lkv"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Where the model comes from: an HF folder, a preset, or inline HF-style fields."""
+
+    hf_path: str | None = None
+    preset: str | None = None
+    config: dict[str, Any] | None = None      # config.json-style fields (model_type, hidden_size, ...)
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    init_std: float = 0.02
+    embed_init_std: float = 0.02
+
+    def __post_init__(self):
+        given = [n for n in ("hf_path", "preset", "config") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of model.hf_path, model.preset, model.config (got {given or 'none'})")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: Literal["testbed", "tokens"] = "testbed"
+    testbed: dict[str, Any] = field(default_factory=dict)   # TestbedConfig fields
+    path: str | None = None                                 # token file(s) for source=tokens
+    seq_len: int = 512
+    batch_size: int = 32
+    loss_on: Literal["all", "trace"] = "all"                # 'trace': not on the prompt
+    eval_problems: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.source == "tokens" and not self.path:
+            raise ValueError("data.path is required when data.source is 'tokens'")
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    lr: float = 3e-3
+    lr_scorers: float = 1e-3
+    lr_lkv: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+
+    def __post_init__(self):
+        if self.grad_accum < 1:
+            raise ValueError(f"optim.grad_accum must be >= 1, got {self.grad_accum}")
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One curriculum phase: its length, data knobs, and which parameters train."""
+
+    steps: int
+    data: dict[str, Any] = field(default_factory=dict)     # overrides of data.testbed / seq_len
+    trainable: list[str] = field(default_factory=list)     # regexes on parameter paths; [] = all
+    lr_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"phase steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    multi_host: bool = False
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    every: int = 0            # steps between saves; 0 = only at the end and on preemption
+    keep: int = 3
+    dir: str | None = None    # default: <out_dir>/checkpoints
+
+
+@dataclass(frozen=True)
+class LogSection:
+    every: int = 10
+    eval_every: int = 0       # steps between held-out evaluations; 0 = only at the end
+    tensorboard: bool = True
+
+
+@dataclass(frozen=True)
+class EvictionSection:
+    sinks: int = 4
+    window: int = 64
+    topk: int = 64
+    scorer: Literal["mlp", "mlstm"] = "mlp"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    mode: Mode = "pretrain"
+    out_dir: str = "runs/default"
+    seed: int = 0
+    steps: int = 0            # used when phases is empty
+    model: ModelSection = field(default_factory=lambda: ModelSection(preset="qwen3-0.6b"))
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    phases: list[Phase] = field(default_factory=list)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+    eviction: EvictionSection = field(default_factory=EvictionSection)
+    teacher_hf_path: str | None = None     # distillation teacher (default: model.hf_path)
+    save_hf: str | None = None             # write the trained model here as an HF folder
+
+    def __post_init__(self):
+        if not self.phases and self.steps < 1:
+            raise ValueError("set steps >= 1 or give phases")
+
+    def all_phases(self) -> list[Phase]:
+        return list(self.phases) if self.phases else [Phase(steps=self.steps)]
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.all_phases())
+
+    def replace(self, **kw) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)

@@ -1,0 +1,207 @@
+"""The training loop behind ``train.py``: mesh, sharded state, phases, logging,
+evaluation, checkpoints with exact resume, and clean exit on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from kvjax.configio import to_dict
+from kvjax.sharding import make_mesh
+from kvjax.train.checkpoint import Checkpointer
+from kvjax.train.config import TrainConfig
+from kvjax.train.data import make_dataset, phase_seq_len, testbed_config
+from kvjax.train.metrics_log import MetricsLog
+from kvjax.train.optim import make_optimizer, param_count, trainable_mask
+from kvjax.train.shard_state import param_shardings, place_on_mesh, tree_shardings
+from kvjax.train.steps import make_train_step
+from kvjax.train.tasks import make_task
+
+
+def maybe_initialize_distributed(cfg: TrainConfig) -> None:
+    """``jax.distributed.initialize`` when the config or the environment asks for it."""
+    env = os.environ.get("KVJAX_MULTI_HOST") == "1" or "JAX_COORDINATOR_ADDRESS" in os.environ
+    if not (cfg.mesh.multi_host or env) or jax.distributed.is_initialized():
+        return
+    kw = {}
+    if cfg.mesh.coordinator:
+        kw = dict(coordinator_address=cfg.mesh.coordinator, num_processes=cfg.mesh.num_processes,
+                  process_id=cfg.mesh.process_id)
+    jax.distributed.initialize(**kw)
+
+
+class _Preempted:
+    """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+    def __init__(self):
+        self.flag = False
+        self.old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.old[sig] = signal.signal(sig, self._set)
+        return self
+
+    def _set(self, signum, frame):
+        self.flag = True
+
+    def __exit__(self, *exc):
+        for sig, h in self.old.items():
+            signal.signal(sig, h)
+
+
+def _phase_at(phases, step: int):
+    start = 0
+    for i, ph in enumerate(phases):
+        if step < start + ph.steps:
+            return i, ph, step - start
+        start += ph.steps
+    raise IndexError(step)
+
+
+def meta_for(cfg: TrainConfig) -> dict:
+    """What a checkpoint must share with the run resuming it."""
+    d = to_dict(cfg)
+    return {"mode": cfg.mode, "model": d["model"], "phases": d["phases"], "data": d["data"],
+            "optim": d["optim"], "eviction": d["eviction"], "seed": cfg.seed}
+
+
+def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = False) -> dict:
+    """Run (or resume) the training ``cfg`` describes; returns a summary dict.
+
+    ``stop_after``: leave after this many steps of this call as if preempted (tests).
+    """
+    maybe_initialize_distributed(cfg)
+    out = Path(cfg.out_dir)
+    lead = jax.process_index() == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    task = make_task(cfg)
+    p_sh = param_shardings(task.graphdef, task.params, mesh)
+    params = jax.tree.map(lambda x, s: jax.device_put(x, s), task.params, p_sh)
+    total = cfg.total_steps
+    optimizer, scheds = make_optimizer(cfg.optim, params, total)
+    opt_state = place_on_mesh(jax.jit(optimizer.init)(params), mesh)
+    o_sh = tree_shardings(opt_state)
+    batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
+    step_fn = jax.jit(make_train_step(task.loss_fn, optimizer, cfg.optim.grad_accum),
+                      out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+
+    ckpt = Checkpointer(cfg.checkpoint.dir or out / "checkpoints", cfg.checkpoint.keep)
+    meta = meta_for(cfg)
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                {"params": params, "opt_state": opt_state})
+        restored, _ = ckpt.restore(latest, abstract, meta)
+        params, opt_state, start = restored["params"], restored["opt_state"], latest
+        if lead and not quiet:
+            print(f"resumed from {ckpt.dir} at step {start}")
+
+    phases = cfg.all_phases()
+    log = MetricsLog(out, tensorboard=cfg.log.tensorboard) if lead else None
+    datasets, masks = {}, {}
+    key = jax.random.key(cfg.seed)
+    bar = tqdm(total=total, initial=start, disable=not lead or quiet, desc=cfg.mode, dynamic_ncols=True)
+    t_last, tok_count, done_here, step = time.perf_counter(), 0, 0, start
+    summary: dict = {"params": param_count(params)}
+    with _Preempted() as pre:
+        for step in range(start, total):
+            pi, phase, local = _phase_at(phases, step)
+            if pi not in datasets:
+                datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi)
+                masks[pi] = trainable_mask(params, phase.trainable)
+            batch_np = datasets[pi][local]
+            batch = {k: _global(batch_np[k], batch_sh) for k in task.batch_keys}
+            rng = jax.random.fold_in(key, step)
+            params, opt_state, metrics = step_fn(params, opt_state, batch, rng, masks[pi],
+                                                 jnp.float32(phase.lr_scale))
+            tok_count += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
+            done_here += 1
+            bar.update(1)
+            last = step + 1 == total
+            if (step + 1) % cfg.log.every == 0 or last:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                now = time.perf_counter()
+                m["tokens_per_s"] = tok_count / max(now - t_last, 1e-9)
+                m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in scheds.items()})
+                m["phase"] = pi
+                t_last, tok_count = now, 0
+                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+                if log:
+                    log.write(step + 1, m)
+                summary["last_metrics"] = m
+            if cfg.log.eval_every and ((step + 1) % cfg.log.eval_every == 0 or last) and lead:
+                ev = evaluate(cfg, task, params)
+                if ev:
+                    log.write_eval(step + 1, ev)
+                    summary["eval"] = ev
+                    bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+            want_ckpt = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+            stop = pre.flag or (stop_after is not None and done_here >= stop_after)
+            if want_ckpt or last or stop:
+                ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
+                          {**meta, "step": step + 1, "data_position": {"phase": pi, "batch": local + 1}})
+            if stop and not last:
+                ckpt.wait()
+                bar.close()
+                if lead and not quiet:
+                    print(f"stopped at step {step + 1}; checkpoint saved under {ckpt.dir}")
+                summary.update(stopped_at=step + 1, params_tree=params)
+                ckpt.close()
+                return summary
+    ckpt.wait()
+    ckpt.close()
+    bar.close()
+    if log:
+        log.close()
+    summary.update(steps=total, params_tree=params)
+    if cfg.save_hf and lead:
+        _export_hf(cfg, task, params)
+    return summary
+
+
+def _global(x: np.ndarray, sharding: NamedSharding):
+    """This process's rows -> a global batch array (batch axis over data x fsdp)."""
+    spec = sharding.spec if x.ndim >= 1 else P()
+    sh = NamedSharding(sharding.mesh, P(*spec[:1], *([None] * (x.ndim - 1)))) if x.ndim else sharding
+    if jax.process_count() == 1:
+        return jax.device_put(x, sh)
+    return jax.make_array_from_process_local_data(sh, x)
+
+
+def evaluate(cfg: TrainConfig, task, params) -> dict:
+    """Held-out testbed metrics on the final phase's task (pretrain mode)."""
+    if cfg.data.source != "testbed" or cfg.mode != "pretrain":
+        return {}
+    from kvjax.train.testbed_eval import answer_accuracy, teacher_forced
+
+    phase = cfg.all_phases()[-1]
+    tb, seq_len = testbed_config(cfg.data, phase), phase_seq_len(cfg.data, phase)
+    model = task.model(jax.device_get(params))
+    res = teacher_forced(model, tb, cfg.data.eval_problems, seq_len)
+    res["answer"] = answer_accuracy(model, tb, max(cfg.data.eval_problems // 4, 1), seq_len)
+    return res
+
+
+def _export_hf(cfg: TrainConfig, task, params) -> None:
+    from kvjax.convert.hf_io import save_hf
+
+    model = task.model(jax.device_get(params))
+    path = save_hf(model, cfg.save_hf)
+    if cfg.data.source == "testbed":
+        from kvjax.data import save_tokenizer
+
+        save_tokenizer(path)

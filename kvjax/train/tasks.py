@@ -1,0 +1,54 @@
+"""What each training mode optimises: its trainable parameters and its loss.
+
+``pretrain``: plain next-token cross entropy (the testbed teacher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.train.config import TrainConfig
+from kvjax.train.model_init import build_model
+from kvjax.train.optim import split_params
+from kvjax.train.steps import lm_loss
+
+
+@dataclasses.dataclass
+class Task:
+    graphdef: Any
+    params: Any                                   # trainable pytree (plain dicts of arrays)
+    loss_fn: Callable                             # (params, batch, rng) -> (loss, aux dict)
+    batch_keys: tuple[str, ...]                   # the batch fields the loss reads
+
+    def model(self, params=None):
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+
+def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
+    model = build_model(cfg.model, cfg.seed, abstract=abstract)
+    graphdef, params = split_params(model)
+    loss_on_trace = cfg.data.loss_on == "trace"
+
+    def loss_fn(p, batch, rng):
+        m = nnx.merge(graphdef, p)
+        h, _ = m(batch["tokens"])
+        mask = batch["loss_mask"]
+        if loss_on_trace:
+            mask = mask & (jnp.arange(mask.shape[1])[None] >= batch["prompt_len"][:, None])
+        return lm_loss(m.logits(h), batch["tokens"], mask), {}
+
+    keys = ("tokens", "loss_mask") + (("prompt_len",) if loss_on_trace else ())
+    return Task(graphdef, params, loss_fn, keys)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"pretrain": pretrain_task}
+
+
+def make_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
+    if cfg.mode not in TASKS:
+        raise ValueError(f"mode: {cfg.mode!r} is not available; available modes: {', '.join(TASKS)}")
+    return TASKS[cfg.mode](cfg, abstract=abstract)
