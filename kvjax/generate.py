@@ -43,11 +43,26 @@ class DenseKV:
 
     name: str = "dense"
 
-    def init(self, cfg, batch: int, max_len: int, dtype) -> Any:
+    params: Any = None
+
+    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths) -> Any:
         return DenseCache.init(cfg, batch, max_len, dtype)
 
-    def backend(self, layer, q, k, v, positions, state):
+    def backend(self, params, layer, q, k, v, positions, state):
         return dense_cache_attention(layer, q, k, v, positions, state)
+
+
+def resolve_policy(policy):
+    """``None`` -> the dense cache; a registered name -> that policy with the default budget."""
+    if policy is None:
+        return DenseKV()
+    if isinstance(policy, str):
+        from kvjax.eviction.policies import make_policy
+
+        return make_policy(policy)
+    if not (hasattr(policy, "init") and hasattr(policy, "backend")):
+        raise TypeError(f"policy must be None, a registered policy name or a policy object, got {policy!r}")
+    return policy
 
 
 def _check_vocab(tokens: np.ndarray, vocab: int) -> None:
@@ -97,13 +112,14 @@ def _sample(logits_BV, key, temperature):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("max_new", "eos_ids", "pad_id", "cache_len"))
-def _generate(graphdef, policy, params, tokens_BS, lengths_B, key, temperature, *,
+def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key, temperature, *,
               max_new: int, eos_ids: tuple[int, ...], pad_id: int, cache_len: int):
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
-    state = policy.init(model.config, B, cache_len, model.dtype)
+    state = policy.init(policy_params, model.config, B, cache_len, model.dtype, lengths_B)
+    backend = functools.partial(policy.backend, policy_params)
     positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    hidden, state = model(tokens_BS, positions, policy.backend, state)
+    hidden, state = model(tokens_BS, positions, backend, state)
     last = jnp.take_along_axis(hidden, (lengths_B - 1)[:, None, None], axis=1)
     key, sub = jax.random.split(key)
     first = _sample(model.logits(last)[:, 0], sub, temperature)
@@ -118,7 +134,7 @@ def _generate(graphdef, policy, params, tokens_BS, lengths_B, key, temperature, 
         tok = jnp.where(done, pad_id, tok)
         out = out.at[:, i].set(tok)
         done = done | jnp.isin(tok, eos)
-        h, state = model(tok[:, None], (lengths_B + i)[:, None], policy.backend, state)
+        h, state = model(tok[:, None], (lengths_B + i)[:, None], backend, state)
         key, sub = jax.random.split(key)
         return i + 1, _sample(model.logits(h)[:, 0], sub, temperature), done, state, out, key
 
@@ -138,7 +154,9 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
              pad_token_id: int | None = None, max_cache_len: int | None = None) -> jax.Array:
     """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]``.
 
-    ``policy=None`` is the dense cache. Greedy when ``temperature == 0``, otherwise
+    ``policy=None`` is the dense cache; otherwise a policy object (e.g.
+    ``kvjax.make_policy("h2o", kvjax.EvictionConfig(4, 64, 64))``) or a registered name.
+    Greedy when ``temperature == 0``, otherwise
     sampling with ``jax.random.key(seed)``. Rows stop at EOS (default: the model's) and are
     padded with ``pad_token_id`` (default: the model's pad, else its EOS, else 0).
     """
@@ -160,9 +178,9 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     if need > cfg.max_position_embeddings:
         raise ValueError(f"max_new_tokens: prompt length {tokens.shape[1]} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
-    policy = DenseKV() if policy is None else policy
+    policy = resolve_policy(policy)
     graphdef, params = nnx.split(model)
-    return _generate(graphdef, policy, params, jnp.asarray(tokens), jnp.asarray(lengths),
+    return _generate(graphdef, policy, params, policy.params, jnp.asarray(tokens), jnp.asarray(lengths),
                      jax.random.key(seed), jnp.float32(temperature), max_new=int(max_new_tokens),
                      eos_ids=tuple(int(e) for e in eos), pad_id=int(pad_token_id),
                      cache_len=max_cache_len or need)

@@ -99,20 +99,22 @@ def fenwick_cutoffs(priority_XS, *, sinks: int, window: int, topk: int, chunk: i
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     priority_XS = validate_priority(priority_XS)
+    S = priority_XS.shape[-1]
+    # Values above S + 1 behave like S + 1; clamping keeps them in int32.
+    sinks, window, topk = (min(v, S + 1) for v in (sinks, window, topk))
     return _fenwick_cutoffs(priority_XS, sinks=sinks, window=window, topk=topk, chunk=chunk)
 
 
-@jax.jit(static_argnames=("sinks", "window", "topk", "chunk"))
+@jax.jit(static_argnames=("chunk",))
 def _fenwick_cutoffs(priority_XS, *, sinks, window, topk, chunk):
+    """Jitted core; the budget is traced, so only ``S`` and ``chunk`` recompile."""
     lead, S = priority_XS.shape[:-1], priority_XS.shape[-1]
-    if topk == 0:
-        return jnp.full(priority_XS.shape, -1, jnp.int32)
     rank_HS = _token_ranks(priority_XS).reshape(-1, S)
-    cutoff_HS = _chunked_cutoffs(rank_HS, sinks=sinks, window=window, topk=topk, chunk=min(chunk, S))
-    return cutoff_HS.reshape(*lead, S)
+    cutoff_HS = _chunked_cutoffs(rank_HS, sinks, window, topk, chunk=min(chunk, S))
+    return jnp.where(topk == 0, -1, cutoff_HS).reshape(*lead, S)
 
 
-def _chunked_cutoffs(rank_HS, *, sinks, window, topk, chunk):
+def _chunked_cutoffs(rank_HS, sinks, window, topk, *, chunk):
     """Cutoffs for ranks ``[H, S]``, ``C = chunk`` queries per scan step."""
     H, S = rank_HS.shape
     C = chunk
@@ -121,30 +123,33 @@ def _chunked_cutoffs(rank_HS, *, sinks, window, topk, chunk):
     depth = N.bit_length() - 1
     head_H1 = jnp.arange(H, dtype=jnp.int32)[:, None]
     j_C = jnp.arange(C, dtype=jnp.int32)
-    m_M = topk - C + jnp.arange(C + 1, dtype=jnp.int32)  # targets k-C .. k for D
-    base = max(topk - C - 1, 0)  # |{a in A : a < a_(k-C)}| when a_(k-C) exists
-    tag_D = jnp.full(C + 1, -1, jnp.int32)  # D is visible to every query of the chunk
+    m_M = topk - C + jnp.arange(C + 1, dtype=jnp.int32)  # lifting targets k-C .. k give D
+    base = jnp.maximum(topk - C - 1, 0)  # |{a in A : a < a_(k-C)}| when a_(k-C) exists
+    tag_M = jnp.full(C + 1, -1, jnp.int32)  # D is visible to every query of the chunk
 
-    def step(tree_HN, c):
+    def step(carry, c):
+        # Insert the previous chunk's tokens first: the tree is then only read
+        # after it is written, which lets XLA update it in place.
+        tree_HN, pending_HC = carry
+        path_HCL = _fenwick_path(pending_HC, depth, N)
+        tree_HN = tree_HN.at[head_H1[:, :, None], path_HCL].add(1, mode="promise_in_bounds")
         q0 = c * C
         t_C = q0 + j_C - window
         new_C = (t_C >= sinks) & (t_C < S)
         b_HC = jnp.where(new_C, jnp.take(rank_HS, jnp.clip(t_C, 0, S - 1), axis=1), S)
         num_a = jnp.maximum(q0 - window - sinks, 0)
+        # Missing candidates carry value S: they sort last and can only yield S.
         d_HM = jnp.where((m_M >= 1) & (m_M <= num_a), _kth_smallest(tree_HN, m_M, depth), S)
         value_HP = jnp.concatenate([d_HM, b_HC], axis=1)
-        tag_HP = jnp.concatenate([jnp.broadcast_to(tag_D, d_HM.shape), jnp.where(new_C, j_C, C)[None].repeat(H, 0)], 1)
+        tag_HP = jnp.concatenate([jnp.broadcast_to(tag_M, (H, C + 1)), jnp.broadcast_to(j_C, (H, C))], axis=1)
         value_HP, tag_HP = lax.sort((value_HP, tag_HP), dimension=1, num_keys=1)
-        seen_HCP = tag_HP[:, None, :] <= j_C[None, :, None]
+        seen_HCP = tag_HP[:, None, :] <= j_C[None, :, None]  # candidate present at query j
         count_HCP = base + jnp.cumsum(seen_HCP, axis=-1, dtype=jnp.int32)
         cutoff_HC = jnp.min(jnp.where(count_HCP >= topk, value_HP[:, None, :], S), axis=-1)
-        slot_HC = jnp.where(new_C, b_HC + 1, 0)
-        path_HCL = _fenwick_path(slot_HC, depth, N)
-        tree_HN = tree_HN.at[head_H1[:, :, None], path_HCL].add(1, mode="promise_in_bounds")
-        return tree_HN, cutoff_HC
+        return (tree_HN, jnp.where(new_C, b_HC + 1, 0)), cutoff_HC
 
-    tree_HN = jnp.zeros((H, N + 1), jnp.int32)
-    _, cutoff_KHC = lax.scan(step, tree_HN, jnp.arange(num_chunks, dtype=jnp.int32))
+    init = (jnp.zeros((H, N + 1), jnp.int32), jnp.zeros((H, C), jnp.int32))
+    _, cutoff_KHC = lax.scan(step, init, jnp.arange(num_chunks, dtype=jnp.int32))
     return cutoff_KHC.transpose(1, 0, 2).reshape(H, num_chunks * C)[:, :S]
 
 

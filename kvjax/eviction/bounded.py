@@ -1,0 +1,121 @@
+"""The one mechanism every eviction policy runs on: a bounded cache (one
+:class:`LayerState` per layer) with a prefill backend (keep-rule masked attention for
+static priorities, dense attention + selection for attention heuristics) and a decode
+backend (exiting token competes for the long-range slots, then attention over slots).
+
+A policy subclasses :class:`BoundedPolicy` and supplies priorities only. It is a frozen
+(hashable) dataclass, so ``jax.jit`` treats it as static; its arrays (scorer weights,
+oracle priorities) travel separately as ``params``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.eviction.attention import causal_probs, keep_mask_heads, masked_attention, slot_attention
+from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.state import (LayerState, all_slots, exiting, init_layer, insert_long_range, prefill_layer,
+                                  set_scores, slot_positions, write_current)
+from kvjax.models.attention import dense_attention
+
+
+@struct.dataclass
+class BoundedCache:
+    layers: tuple[LayerState, ...]
+    lengths: jax.Array        # [B] prompt lengths (read by prefill)
+
+    def nbytes(self) -> int:
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundedPolicy:
+    config: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)
+    params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+
+    name: ClassVar[str] = "bounded"
+    static: ClassVar[bool] = True     # priorities fixed per token (keep-rule path)
+
+    # ---- what a policy supplies -------------------------------------------------------
+    def effective(self) -> EvictionConfig:
+        """The budget this policy actually runs with."""
+        return self.config
+
+    def priority(self, params, layer: int, k_BSKD, v_BSKD, t_BS):
+        """Static policies: ``float32 [B, K, S]`` priority of tokens at positions ``t``."""
+        raise NotImplementedError
+
+    def prefill_scores(self, probs_BKGSS, lengths_B):
+        """Attention heuristics: ``[B, K, S]`` per-token statistic after a dense prefill."""
+        raise NotImplementedError
+
+    def update_scores(self, scores_BKN, probs_BKN):
+        """Attention heuristics: new per-slot statistic after one decode step."""
+        raise NotImplementedError
+
+    def head_budgets(self, params, cfg, batch: int):
+        """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
+        ev = self.effective()
+        return jnp.full((cfg.num_layers, batch, cfg.num_kv_heads), ev.topk, jnp.int32)
+
+    # ---- the shared mechanism ------------------------------------------------------------
+    def with_params(self, params) -> "BoundedPolicy":
+        return dataclasses.replace(self, params=params)
+
+    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> BoundedCache:
+        ev = self.effective()
+        ev.check_fits(cfg.max_position_embeddings)
+        budgets = self.head_budgets(params, cfg, batch)
+        layers = tuple(init_layer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])
+                       for i in range(cfg.num_layers))
+        return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32))
+
+    def sparse_mask(self, params, layer: int, k_BSKD, v_BSKD, positions_BS, budget_BK=None):
+        """Keep-rule mask ``[B, K, S, S]`` and priorities ``[B, K, S]`` for a static policy."""
+        ev = self.effective()
+        prio = self.priority(params, layer, k_BSKD, v_BSKD, positions_BS)
+        return keep_mask_heads(prio, sinks=ev.sinks, window=ev.window, topk=ev.topk), prio
+
+    def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
+        if q_BSHD.shape[1] > 1:
+            return self._prefill(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+        return self._decode(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+
+    def _prefill(self, params, layer, q, k, v, positions, cache):
+        ev, st = self.effective(), cache.layers[layer]
+        if self.static:
+            keep, prio = self.sparse_mask(params, layer, k, v, positions)
+            out, _ = masked_attention(q, k, v, keep)
+            score = jnp.zeros_like(prio)
+        else:
+            out, _ = dense_attention(q, k, v, positions, positions)
+            prio = score = self.prefill_scores(causal_probs(q, k), cache.lengths)
+        st = prefill_layer(st, k, v, prio, score, cache.lengths, ev)
+        return out, _replace_layer(cache, layer, st)
+
+    def _decode(self, params, layer, q, k, v, positions, cache):
+        ev, st = self.effective(), cache.layers[layer]
+        q_B = positions[:, 0]
+        ex_k, ex_v, t_B, valid_B, ex_score = exiting(st, q_B, ev)
+        if self.static:
+            p_exit = self.priority(params, layer, ex_k[:, None], ex_v[:, None], t_B[:, None])[:, :, 0]
+        else:
+            p_exit = ex_score
+            st = st.replace(lr_prio=st.lr_score)
+        st = insert_long_range(st, ex_k, ex_v, t_B, valid_B, p_exit, ex_score)
+        st = write_current(st, k[:, 0], v[:, 0], q_B, ev)
+        keys, vals, scores = all_slots(st)
+        valid = slot_positions(st, q_B, ev) >= 0
+        out, probs = slot_attention(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid)
+        if not self.static:
+            st = set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev)
+        return out[:, None], _replace_layer(cache, layer, st)
+
+
+def _replace_layer(cache: BoundedCache, layer: int, st: LayerState) -> BoundedCache:
+    return cache.replace(layers=cache.layers[:layer] + (st,) + cache.layers[layer + 1:])

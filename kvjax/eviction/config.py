@@ -1,0 +1,59 @@
+"""``EvictionConfig``: the per-KV-head budget ``B = sinks + window + topk``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EvictionConfig:
+    """Budget of a bounded KV cache, per batch row, layer and KV head.
+
+    sinks: the first ``sinks`` tokens, always kept.
+    window: the ``window`` most recent tokens (incl. the current one), always kept (>= 1).
+    topk: long-range slots, filled by the policy's priorities.
+    k_max: slots allocated for long-range tokens (default ``topk``); LKV heads use
+      per-head budgets ``<= k_max``.
+    seed: for the ``random`` policy.
+    obs_window: SnapKV's observation window (queries), also its refresh period in decoding.
+    pool: SnapKV's pooling kernel over positions (odd).
+    """
+
+    sinks: int = 4
+    window: int = 64
+    topk: int = 64
+    k_max: int | None = None
+    seed: int = 0
+    obs_window: int = 16
+    pool: int = 7
+
+    def __post_init__(self):
+        for name in ("sinks", "topk", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"EvictionConfig.{name} must be a non-negative integer, got {v!r}")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"EvictionConfig.window must be >= 1 (the current token is always kept), "
+                             f"got {self.window!r}")
+        if self.k_max is not None and (not isinstance(self.k_max, int) or self.k_max < 0):
+            raise ValueError(f"EvictionConfig.k_max must be a non-negative integer, got {self.k_max!r}")
+        if self.k_max is not None and self.topk > self.k_max:
+            raise ValueError(f"EvictionConfig.topk ({self.topk}) must be <= k_max ({self.k_max})")
+        if self.obs_window < 1:
+            raise ValueError(f"EvictionConfig.obs_window must be >= 1, got {self.obs_window}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"EvictionConfig.pool must be a positive odd integer, got {self.pool}")
+
+    @property
+    def slots(self) -> int:
+        """Long-range slots allocated (``k_max``)."""
+        return self.topk if self.k_max is None else self.k_max
+
+    @property
+    def budget(self) -> int:
+        return self.sinks + self.window + self.topk
+
+    def check_fits(self, max_positions: int) -> None:
+        if self.sinks + self.window + self.slots > max_positions:
+            raise ValueError(f"EvictionConfig: budget sinks+window+k_max = {self.sinks + self.window + self.slots} "
+                             f"exceeds the model's max_position_embeddings={max_positions}")

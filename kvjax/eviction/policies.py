@@ -1,0 +1,144 @@
+"""Eviction policies over one bounded cache: each only produces priorities.
+
+Static-priority policies (a token's priority is fixed once it exists) use the keep
+rule's Fenwick path at prefill and the online top-k buffer in decoding; the two are the
+same set. Heuristics whose scores change over time keep an attention statistic per slot
+(``score``), re-rank their long-range slots by it each step, and prefill with dense
+attention followed by selection, as kvpress does.
+
+| name           | priority of token ``t`` (higher = kept)                               |
+|----------------|-----------------------------------------------------------------------|
+| streaming_llm  | none: all ``k`` slots go to the window (``w + k`` recent tokens)       |
+| random         | a seeded hash of (layer, head, ``t``)                                 |
+| knorm          | ``-||k_t||_2`` (low key norm = important)                             |
+| oracle         | given: the dense teacher's future attention (known in hindsight)      |
+| tova           | attention from the latest query (mean over the KV head's group)        |
+| h2o            | attention accumulated over all queries so far                          |
+| snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions; in decoding an exponential average of horizon ``obs`` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.config import EvictionConfig
+
+
+def _hash_uniform(seed: int, layer: int, head_K, t):
+    """Deterministic uniform [0, 1) from integers (a 32-bit avalanche mix)."""
+    x = (jnp.asarray(t, jnp.uint32) * jnp.uint32(0x9E3779B1)) ^ (jnp.asarray(head_K, jnp.uint32) * jnp.uint32(0x85EBCA77))
+    x = x ^ jnp.uint32((seed * 0x27D4EB2F + layer * 0x165667B1) & 0xFFFFFFFF)
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B), (16, 1)):
+        x = (x ^ (x >> shift)) * jnp.uint32(mul)
+    return (x >> 8).astype(jnp.float32) / jnp.float32(1 << 24)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM(BoundedPolicy):
+    name: ClassVar[str] = "streaming_llm"
+
+    def effective(self) -> EvictionConfig:
+        c = self.config
+        return dataclasses.replace(c, window=c.window + c.topk, topk=0, k_max=0)
+
+    def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
+        return jnp.zeros((k_BSKD.shape[0], k_BSKD.shape[2], k_BSKD.shape[1]), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomPolicy(BoundedPolicy):
+    name: ClassVar[str] = "random"
+
+    def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
+        K = k_BSKD.shape[2]
+        return _hash_uniform(self.config.seed, layer, jnp.arange(K)[None, :, None], t_BS[:, None, :])
+
+
+@dataclasses.dataclass(frozen=True)
+class KNorm(BoundedPolicy):
+    name: ClassVar[str] = "knorm"
+
+    def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
+        return -jnp.swapaxes(jnp.linalg.norm(k_BSKD.astype(jnp.float32), axis=-1), 1, 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Oracle(BoundedPolicy):
+    """``params``: ``float [L, B, K, T]`` priorities by position (e.g. the dense
+    teacher's log future-attention mass, :func:`kvjax.future_attention_target`)."""
+
+    name: ClassVar[str] = "oracle"
+
+    def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
+        if params is None:
+            raise ValueError("the oracle policy needs priorities: Oracle(config, params=array [L, B, K, T])")
+        table = params[layer]                                            # [B, K, T]
+        idx = jnp.clip(t_BS, 0, table.shape[-1] - 1)[:, None, :]
+        return jnp.take_along_axis(table, jnp.broadcast_to(idx, table.shape[:2] + idx.shape[-1:]), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVA(BoundedPolicy):
+    name: ClassVar[str] = "tova"
+    static: ClassVar[bool] = False
+
+    def prefill_scores(self, probs_BKGSS, lengths_B):
+        last = jnp.take_along_axis(probs_BKGSS, (lengths_B - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
+        return last.mean(axis=2)
+
+    def update_scores(self, scores_BKN, probs_BKN):
+        return probs_BKN
+
+
+@dataclasses.dataclass(frozen=True)
+class H2O(BoundedPolicy):
+    name: ClassVar[str] = "h2o"
+    static: ClassVar[bool] = False
+
+    def prefill_scores(self, probs_BKGSS, lengths_B):
+        S = probs_BKGSS.shape[-1]
+        real_q = (jnp.arange(S)[None, :] < lengths_B[:, None])[:, None, None, :, None]
+        return jnp.sum(jnp.where(real_q, probs_BKGSS, 0.0), axis=3).mean(axis=2)
+
+    def update_scores(self, scores_BKN, probs_BKN):
+        return scores_BKN + probs_BKN
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapKV(BoundedPolicy):
+    name: ClassVar[str] = "snapkv"
+    static: ClassVar[bool] = False
+
+    def prefill_scores(self, probs_BKGSS, lengths_B):
+        S = probs_BKGSS.shape[-1]
+        qpos = jnp.arange(S)[None, :]
+        obs = (qpos < lengths_B[:, None]) & (qpos >= lengths_B[:, None] - self.config.obs_window)
+        summed = jnp.sum(jnp.where(obs[:, None, None, :, None], probs_BKGSS, 0.0), axis=3).mean(axis=2)
+        pad = self.config.pool // 2
+        return jax.lax.reduce_window(jnp.pad(summed, ((0, 0), (0, 0), (pad, pad))), 0.0, jax.lax.add,
+                                     (1, 1, self.config.pool), (1, 1, 1), "VALID") / self.config.pool
+
+    def update_scores(self, scores_BKN, probs_BKN):
+        decay = 1.0 - 1.0 / self.config.obs_window
+        return scores_BKN * decay + probs_BKN
+
+
+REGISTRY: dict[str, type[BoundedPolicy]] = {
+    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV)}
+
+
+def register(cls: type[BoundedPolicy]) -> type[BoundedPolicy]:
+    """Add a policy class to the registry (usable by name in configs and the CLI)."""
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, config: EvictionConfig | None = None, params: Any = None) -> BoundedPolicy:
+    if name not in REGISTRY:
+        raise ValueError(f"policy: unknown name {name!r}; registered: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name](config or EvictionConfig(), params=params)
