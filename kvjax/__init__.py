@@ -2,10 +2,14 @@
 
 from kvjax.config import ModelConfig, RopeScaling, preset
 from kvjax.convert.hf_io import load_hf, save_hf
+from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.policies import REGISTRY as POLICIES
+from kvjax.eviction.policies import make_policy, register
 from kvjax.generate import forward, generate
 from kvjax.models.decoder import Decoder
+from kvjax.targets import future_attention_target
 
 Model = Decoder
 
-__all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate",
-           "Decoder", "Model"]
+__all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
+           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target"]

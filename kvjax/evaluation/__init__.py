@@ -1,0 +1,1 @@
+"""Evaluation: policy quality on the testbed (and, later, decode benchmarks)."""

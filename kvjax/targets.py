@@ -1,0 +1,102 @@
+"""KVpop's future-attention target (seed Eqs. 8, 15, 16; DESIGN.md "Targets").
+
+For query head ``g`` in the group of KV head ``h`` and causal attention probabilities
+``p(d -> t)`` of the pass being supervised:
+
+    m_hg(t) = (1 / N_t) * sum_{d >= t + w} p(d -> t),      N_t = max(1, S - (t + w))
+    r_tgt(h, t) = max_g log(eps + m_hg(t))                  (aggregate="max")
+    r_tgt(h, t) = log(eps + mean_g m_hg(t))                 (aggregate="mean")
+
+Tokens with no future query (``t + w >= S``) carry no target (``-inf``).
+
+``future_attention_target`` never forms the ``S x S`` matrix: it swaps queries and keys,
+subtracts each original query's log-sum-exp from its logits, masks ``d < t + w``, and
+accumulates a per-key log-sum-exp over query blocks (``lax.scan``). ``dense_target`` is
+the materialising reference, for tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.models.attention import dense_attention
+
+NEG = -jnp.inf
+
+
+def _group(q_BSHD, K):
+    B, S, H, D = q_BSHD.shape
+    return q_BSHD.reshape(B, S, K, H // K, D)
+
+
+def _finish(log_mass_BKGS, S: int, window: int, aggregate: str, eps: float):
+    t = jnp.arange(S)
+    log_n = jnp.log(jnp.maximum(1, S - (t + window)).astype(jnp.float32))
+    log_m = log_mass_BKGS - log_n
+    if aggregate == "max":
+        out = jnp.logaddexp(jnp.max(log_m, axis=2), jnp.log(eps))
+    elif aggregate == "mean":
+        G = log_m.shape[2]
+        out = jnp.logaddexp(jax.nn.logsumexp(log_m, axis=2) - jnp.log(G), jnp.log(eps))
+    else:
+        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+    return jnp.where(t + window < S, out, NEG)
+
+
+def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8,
+                            block: int = 256):
+    """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` (post-RoPE) -> ``float32 [B, Hkv, S]`` log future mass.
+
+    ``lse [B, S, Hq]``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
+    """
+    B, S, H, D = q.shape
+    K = k.shape[2]
+    if H % K:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if aggregate not in ("max", "mean"):
+        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+    if lse is None:
+        pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+        _, lse = dense_attention(q, k, k, pos, pos)
+    G = H // K
+    nblk = -(-S // block)
+    pad = nblk * block - S
+    qg = jnp.pad(_group(q, K).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    lse_g = jnp.pad(lse.reshape(B, S, K, G).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kf = k.astype(jnp.float32)
+    t = jnp.arange(S)
+
+    def body(acc_BKGS, i):
+        d = i * block + jnp.arange(block)
+        qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)          # [B, C, K, G, D]
+        lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
+        logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
+        logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
+        ok = (d[:, None] >= t[None, :] + window) & (d[:, None] < S)
+        logits = jnp.where(ok, logits, NEG)
+        return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
+
+    acc, _ = jax.lax.scan(body, jnp.full((B, K, G, S), NEG, jnp.float32), jnp.arange(nblk))
+    return _finish(acc, S, window, aggregate, eps)
+
+
+def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8):
+    """Reference: materialise ``p(d -> t)`` (``[B, K, G, S, S]``) and sum the columns."""
+    B, S, H, D = q.shape
+    K = k.shape[2]
+    qg = _group(q, K).astype(jnp.float32)
+    logits = jnp.einsum("bskgd,btkd->bkgst", qg, k.astype(jnp.float32)) * D ** -0.5
+    if lse is None:
+        causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
+        lse_bkgs = jax.nn.logsumexp(jnp.where(causal, logits, NEG), axis=-1)
+    else:
+        lse_bkgs = jnp.transpose(lse.reshape(B, S, K, H // K), (0, 2, 3, 1))
+    p = jnp.exp(logits - lse_bkgs[..., None])
+    d, t = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    mass = jnp.sum(jnp.where(d >= t + window, p, 0.0), axis=3)                   # [B, K, G, S]
+    with jax.numpy_dtype_promotion("standard"):
+        log_mass = jnp.log(mass)
+    return _finish(log_mass, S, window, aggregate, eps)

@@ -1,0 +1,53 @@
+"""Future-attention target: transposed chunked pass = dense reference; the seed's example."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.targets import _finish, dense_target, future_attention_target
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("S, window, block", [(50, 4, 16), (97, 1, 32), (64, 16, 64), (33, 40, 8)])
+@pytest.mark.parametrize("aggregate", ["max", "mean"])
+def test_transposed_equals_dense(group, S, window, block, aggregate):
+    rs = np.random.RandomState(S * group + window)
+    K, D = 2, 16
+    q = jnp.asarray(rs.randn(2, S, K * group, D).astype(np.float32))
+    k = jnp.asarray(rs.randn(2, S, K, D).astype(np.float32))
+    got = future_attention_target(q, k, window=window, aggregate=aggregate, block=block)
+    want = dense_target(q, k, window=window, aggregate=aggregate)
+    assert got.shape == (2, K, S)
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(got)), finite)
+    assert (~finite).sum() == 2 * K * min(S, window)            # t + w >= S carries no target
+    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_lse_is_reused():
+    rs = np.random.RandomState(0)
+    q = jnp.asarray(rs.randn(1, 40, 4, 8).astype(np.float32))
+    k = jnp.asarray(rs.randn(1, 40, 2, 8).astype(np.float32))
+    lse = jnp.asarray(rs.randn(1, 40, 4).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(future_attention_target(q, k, window=3, lse=lse))[..., :37],
+                               np.asarray(dense_target(q, k, window=3, lse=lse))[..., :37], rtol=1e-5, atol=1e-5)
+
+
+def test_seed_worked_example():
+    """N_t = max(1, 6 - (2 + 2)) = 2; groups 0.30 + 0.20 and 0.10 + 0.10 -> log(0.25) = -1.386."""
+    S, w, t = 6, 2, 2
+    mass = np.full((1, 1, 2, S), 1e-30, np.float32)
+    mass[0, 0, :, t] = [0.30 + 0.20, 0.10 + 0.10]
+    out = np.asarray(_finish(jnp.log(jnp.asarray(mass)), S, w, "max", 1e-12))
+    assert out[0, 0, t] == pytest.approx(np.log(0.25), abs=1e-6) and round(float(out[0, 0, t]), 3) == -1.386
+    mean = np.asarray(_finish(jnp.log(jnp.asarray(mass)), S, w, "mean", 1e-12))
+    assert mean[0, 0, t] == pytest.approx(np.log((0.25 + 0.10) / 2), abs=1e-6)
+
+
+def test_errors():
+    q, k = jnp.zeros((1, 8, 3, 4)), jnp.zeros((1, 8, 2, 4))
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of KV heads \(2\)"):
+        future_attention_target(q, k, window=2)
+    with pytest.raises(ValueError, match="aggregate must be 'max' or 'mean'"):
+        future_attention_target(jnp.zeros((1, 8, 2, 4)), k, window=2, aggregate="sum")
