@@ -33,7 +33,7 @@ def decode_positions(prio_KS, ev):
 
     def step(st, q):
         q_B = jnp.full((1,), q)
-        _, _, t, valid, sc = exiting(st, q_B, ev)
+        _, _, t, valid, sc, _ = exiting(st, q_B, ev)
         p = jnp.take_along_axis(prio_KS, jnp.clip(t, 0, S - 1)[:, None].repeat(K, 0), axis=1)[:, 0][None]
         st = insert_long_range(st, kv, kv, t, valid, p, sc)
         st = write_current(st, kv, kv, q_B, ev)
@@ -126,3 +126,17 @@ def test_config_errors(tiny):
         make_policy("lru")
     with pytest.raises(ValueError, match="oracle policy needs priorities"):
         kvjax.generate(tiny, [[1, 2, 3]], 4, policy="oracle")
+
+
+def test_snapkv_reranks_when_the_observation_window_refills():
+    ev = EvictionConfig(sinks=1, window=4, topk=3, obs_window=4)
+    pol = make_policy("snapkv", ev)
+    st = init_layer(ev, 1, 1, 2, jnp.float32)
+    st = st.replace(lr_score=jnp.array([[[0.5, 0.1, 0.9]]]), lr_prio=jnp.array([[[1.0, 2.0, 3.0]]]),
+                    win_score=jnp.full((1, 1, 4), 0.25))
+    kept = pol.refresh(st, jnp.array([5]))                  # (5 + 1) % 4 != 0: rankings hold
+    np.testing.assert_array_equal(np.asarray(kept.lr_prio), [[[1.0, 2.0, 3.0]]])
+    due = pol.refresh(st, jnp.array([7]))                   # 8 queries seen: refresh
+    np.testing.assert_allclose(np.asarray(due.lr_prio), [[[0.5, 0.1, 0.9]]], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(due.win_prio), np.full((1, 1, 4), 0.25))
+    assert float(jnp.abs(due.lr_score).sum() + jnp.abs(due.win_score).sum()) == 0.0

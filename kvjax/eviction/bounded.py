@@ -58,6 +58,15 @@ class BoundedPolicy:
         """Attention heuristics: new per-slot statistic after one decode step."""
         raise NotImplementedError
 
+    def decode_priorities(self, st: LayerState, exit_score_BK, exit_snapshot_BK):
+        """Attention heuristics: the exiting token's priority, and the state with its
+        long-range priorities for this step (default: the current statistic)."""
+        return exit_score_BK, st.replace(lr_prio=st.lr_score)
+
+    def refresh(self, st: LayerState, q_B) -> LayerState:
+        """Attention heuristics: hook after each decode step's statistics update."""
+        return st
+
     def head_budgets(self, params, cfg, batch: int):
         """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
         ev = self.effective()
@@ -101,19 +110,18 @@ class BoundedPolicy:
     def _decode(self, params, layer, q, k, v, positions, cache):
         ev, st = self.effective(), cache.layers[layer]
         q_B = positions[:, 0]
-        ex_k, ex_v, t_B, valid_B, ex_score = exiting(st, q_B, ev)
+        ex_k, ex_v, t_B, valid_B, ex_score, ex_snap = exiting(st, q_B, ev)
         if self.static:
             p_exit = self.priority(params, layer, ex_k[:, None], ex_v[:, None], t_B[:, None])[:, :, 0]
         else:
-            p_exit = ex_score
-            st = st.replace(lr_prio=st.lr_score)
+            p_exit, st = self.decode_priorities(st, ex_score, ex_snap)
         st = insert_long_range(st, ex_k, ex_v, t_B, valid_B, p_exit, ex_score)
         st = write_current(st, k[:, 0], v[:, 0], q_B, ev)
         keys, vals, scores = all_slots(st)
         valid = slot_positions(st, q_B, ev) >= 0
         out, probs = slot_attention(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid)
         if not self.static:
-            st = set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev)
+            st = self.refresh(set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev), q_B)
         return out[:, None], _replace_layer(cache, layer, st)
 
 

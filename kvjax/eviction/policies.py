@@ -14,7 +14,7 @@ attention followed by selection, as kvpress does.
 | oracle         | given: the dense teacher's future attention (known in hindsight)      |
 | tova           | attention from the latest query (mean over the KV head's group)        |
 | h2o            | attention accumulated over all queries so far                          |
-| snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions; in decoding an exponential average of horizon ``obs`` |
+| snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions (kernel ``pool``); in decoding, every ``obs`` steps all slots are re-ranked by the attention of the ``obs`` queries since the last refresh (no pooling: slots are not contiguous) |
 """
 
 from __future__ import annotations
@@ -124,8 +124,19 @@ class SnapKV(BoundedPolicy):
                                      (1, 1, self.config.pool), (1, 1, 1), "VALID") / self.config.pool
 
     def update_scores(self, scores_BKN, probs_BKN):
-        decay = 1.0 - 1.0 / self.config.obs_window
-        return scores_BKN * decay + probs_BKN
+        return scores_BKN + probs_BKN
+
+    def decode_priorities(self, st, exit_score_BK, exit_snapshot_BK):
+        return exit_snapshot_BK, st            # rankings hold until the next refresh
+
+    def refresh(self, st, q_B):
+        """Every ``obs_window`` steps (the window of observed queries has refilled), every
+        slot is re-ranked by the attention those queries paid it, and the sums restart."""
+        due = (jnp.mod(q_B + 1, self.config.obs_window) == 0)[:, None, None]
+        return st.replace(lr_prio=jnp.where(due, st.lr_score, st.lr_prio),
+                          win_prio=jnp.where(due, st.win_score, st.win_prio),
+                          lr_score=jnp.where(due, 0.0, st.lr_score), win_score=jnp.where(due, 0.0, st.win_score),
+                          sink_score=jnp.where(due, 0.0, st.sink_score))
 
 
 REGISTRY: dict[str, type[BoundedPolicy]] = {

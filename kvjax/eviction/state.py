@@ -34,6 +34,7 @@ class LayerState:
     sink_score: jax.Array  # [B, K, s] float32 - policy statistics (attention received)
     win_score: jax.Array   # [B, K, w]
     lr_score: jax.Array    # [B, K, m]
+    win_prio: jax.Array    # [B, K, w] float32 - ring tokens' priority snapshot (SnapKV)
     budget: jax.Array      # [B, K] int32, long-range slots this head may fill (<= m)
 
     def nbytes(self) -> int:
@@ -47,7 +48,7 @@ def init_layer(ev: EvictionConfig, batch: int, kv_heads: int, head_dim: int, dty
     if budget is None:
         budget = jnp.full((batch, kv_heads), ev.topk, jnp.int32)
     return LayerState(z(s), z(s), z(w), z(w), z(m), z(m), jnp.full((batch, kv_heads, m), -1, jnp.int32),
-                      f(m), f(s), f(w), f(m), jnp.asarray(budget, jnp.int32))
+                      f(m), f(s), f(w), f(m), f(w), jnp.asarray(budget, jnp.int32))
 
 
 def window_positions(q_B, ev: EvictionConfig):
@@ -117,18 +118,19 @@ def prefill_layer(st: LayerState, k_BSKD, v_BSKD, prio_BKS, score_BKS, lengths_B
     return st.replace(
         sink_k=fill(k_BSKD, sp), sink_v=fill(v_BSKD, sp), win_k=fill(k_BSKD, wp), win_v=fill(v_BSKD, wp),
         lr_k=fill(k_BSKD, lp), lr_v=fill(v_BSKD, lp), lr_pos=lp,
-        lr_prio=gather_s(prio_BKS.astype(jnp.float32), lp),
+        lr_prio=gather_s(prio_BKS.astype(jnp.float32), lp), win_prio=gather_s(prio_BKS.astype(jnp.float32), wp),
         sink_score=gather_s(score_BKS, sp), win_score=gather_s(score_BKS, wp), lr_score=gather_s(score_BKS, lp))
 
 
 def exiting(st: LayerState, q_B, ev: EvictionConfig):
-    """The token leaving the window at query ``q``: ``(k, v [B, K, D], t [B], valid [B], score [B, K])``."""
+    """The token leaving the window at query ``q``:
+    ``(k, v [B, K, D], t [B], valid [B], score [B, K], snapshot priority [B, K])``."""
     t = q_B - ev.window
     valid = t >= ev.sinks
     j = jnp.mod(q_B, ev.window)
     pick = lambda x: jnp.take_along_axis(x, j[:, None, None, None], axis=2)[:, :, 0]  # noqa: E731
-    score = jnp.take_along_axis(st.win_score, j[:, None, None], axis=2)[:, :, 0]
-    return pick(st.win_k), pick(st.win_v), t, valid, score
+    pick_s = lambda x: jnp.take_along_axis(x, j[:, None, None], axis=2)[:, :, 0]  # noqa: E731
+    return pick(st.win_k), pick(st.win_v), t, valid, pick_s(st.win_score), pick_s(st.win_prio)
 
 
 def insert_long_range(st: LayerState, k_BKD, v_BKD, t_B, valid_B, prio_BK, score_BK) -> LayerState:
@@ -163,7 +165,8 @@ def write_current(st: LayerState, k_BKD, v_BKD, q_B, ev: EvictionConfig) -> Laye
     return st.replace(sink_k=put(st.sink_k, hit_s), sink_v=putv(st.sink_v, hit_s),
                       win_k=put(st.win_k, hit_w), win_v=putv(st.win_v, hit_w),
                       sink_score=jnp.where(hit_s[:, None], 0.0, st.sink_score),
-                      win_score=jnp.where(hit_w[:, None], 0.0, st.win_score))
+                      win_score=jnp.where(hit_w[:, None], 0.0, st.win_score),
+                      win_prio=jnp.where(hit_w[:, None], 0.0, st.win_prio))
 
 
 def all_slots(st: LayerState):
