@@ -86,7 +86,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=_mesh_devices(cfg))
     task = make_task(cfg)
     p_sh = param_shardings(task.graphdef, task.params, mesh)
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), task.params, p_sh)
@@ -171,6 +171,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     if cfg.save_hf and lead:
         _export_hf(cfg, task, params)
     return summary
+
+
+def _mesh_devices(cfg: TrainConfig):
+    """The first ``data * fsdp * tensor`` devices (all of them on a multi-host run)."""
+    n = cfg.mesh.data * cfg.mesh.fsdp * cfg.mesh.tensor
+    devs = jax.devices()
+    if jax.process_count() > 1 or n > len(devs):
+        return devs
+    return devs[:n]
 
 
 def _global(x: np.ndarray, sharding: NamedSharding):

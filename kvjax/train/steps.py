@@ -40,7 +40,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         (g, loss, aux), _ = jax.lax.scan(micro, (zero_g, jnp.float32(0), zero_aux), (mbs, keys))
         g = jax.tree.map(lambda x: x / grad_accum, g)
         loss, aux = loss / grad_accum, jax.tree.map(lambda x: x / grad_accum, aux)
-        grad_norm = optax.global_norm(g)
+        grad_norm = optax.tree.norm(g)
         updates, new_opt = optimizer.update(g, opt_state, params)
         updates = jax.tree.map(lambda u, m: u * m * lr_scale, updates, update_mask)
         new_params = optax.apply_updates(params, updates)

@@ -1,0 +1,99 @@
+"""Trainer: config errors, exact resume after preemption, checkpoint refusal, metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from kvjax.configio import ConfigError, load_config
+from kvjax.train.checkpoint import CheckpointError
+from kvjax.train.config import TrainConfig
+from kvjax.train.loop import train
+from train_helpers import TINY_MODEL, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
+        load_config(TrainConfig, None, ["optim.learning_rate=1e-3", "steps=3"])
+    with pytest.raises(ConfigError, match="data.batch_size: expected int, got str 'big'"):
+        load_config(TrainConfig, None, ["data.batch_size=big", "steps=3"])
+    with pytest.raises(ConfigError, match="mode: must be one of"):
+        load_config(TrainConfig, None, ["mode=finetune", "steps=3"])
+    with pytest.raises(ConfigError, match="set exactly one of model.hf_path, model.preset, model.config"):
+        load_config(TrainConfig, None, ["model.hf_path=/x", "model.preset=qwen3-4b", "steps=3"])
+    with pytest.raises(FileNotFoundError, match="config file .*nope.yaml does not exist"):
+        load_config(TrainConfig, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config(TrainConfig, None, ["data.source=tokens", "steps=3"])
+    cfg = load_config(TrainConfig, None, ["steps=7", "optim.lr=0.01", "phases=[{steps: 2}, {steps: 3}]"])
+    assert cfg.optim.lr == 0.01 and cfg.total_steps == 5
+
+
+def test_missing_token_file_is_named(tmp_path):
+    cfg = tiny_config(tmp_path / "run", **{"data.source": "tokens", "data.path": str(tmp_path / "none.jsonl")})
+    with pytest.raises(FileNotFoundError, match="token file .*none.jsonl does not exist"):
+        train(cfg, quiet=True)
+
+
+def test_exact_resume_after_preemption(tmp_path):
+    full = train(tiny_config(tmp_path / "full"), quiet=True)
+    part = tiny_config(tmp_path / "part")
+    first = train(part, stop_after=10, quiet=True)
+    assert first["stopped_at"] == 10
+    resumed = train(part, quiet=True)
+    for a, b in zip(leaves(full["params_tree"]), leaves(resumed["params_tree"])):
+        np.testing.assert_array_equal(a, b)
+    logged = [json.loads(line) for line in open(tmp_path / "part" / "metrics.jsonl")]
+    assert [r["step"] for r in logged] == [5, 10, 15, 20, 25, 30]
+    assert {"loss", "grad_norm", "tokens_per_s", "lr_backbone", "skipped_steps"} <= set(logged[-1])
+    assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    train(tiny_config(tmp_path / "run", steps=4), quiet=True)
+    other = tiny_config(tmp_path / "run", steps=8, **{"model.config": {**TINY_MODEL, "hidden_size": 48}})
+    with pytest.raises(CheckpointError, match="incompatible with this run: its 'model' differs"):
+        train(other, quiet=True)
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    cfg = tiny_config(tmp_path / "run", steps=100000)
+    from kvjax.configio import to_dict
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--config", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-2000:]
+    assert "checkpoint saved" in out
+    steps = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps and max(steps) >= 5
+
+
+def test_sharded_training_matches_single_device(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_train.py"), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert report["max_param_diff"] <= 1e-5 and report["sharded_leaves"] > 0
