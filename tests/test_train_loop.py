@@ -97,3 +97,41 @@ def test_sharded_training_matches_single_device(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["max_param_diff"] <= 1e-5 and report["sharded_leaves"] > 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """jax.distributed over localhost (2 processes x 4 CPU devices) = 1 process x 8 devices."""
+    from kvjax.configio import to_dict
+    from safetensors.numpy import load_file
+
+    base = to_dict(tiny_config(tmp_path / "x", steps=10, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(base))
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", str(cfg_path)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    single = subprocess.run(cmd + ["--set", f"out_dir={tmp_path / 'one'}", "--set", f"save_hf={tmp_path / 'one/hf'}"],
+                            env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    port = _free_port()
+    procs = [subprocess.Popen(cmd + ["--set", f"out_dir={tmp_path / 'two'}", "--set", f"save_hf={tmp_path / 'two/hf'}",
+                                     "--set", "mesh.multi_host=true", "--set", f"mesh.coordinator=127.0.0.1:{port}",
+                                     "--set", "mesh.num_processes=2", "--set", f"mesh.process_id={i}"],
+                              env=dict(env, XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT) for i in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+    a = load_file(tmp_path / "one/hf/model.safetensors")
+    b = load_file(tmp_path / "two/hf/model.safetensors")
+    assert a.keys() == b.keys()
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
+    loss = lambda d: [json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl")]  # noqa: E731
+    np.testing.assert_allclose(loss("one"), loss("two"), atol=1e-5)

@@ -32,6 +32,8 @@ def maybe_initialize_distributed(cfg: TrainConfig) -> None:
     env = os.environ.get("KVJAX_MULTI_HOST") == "1" or "JAX_COORDINATOR_ADDRESS" in os.environ
     if not (cfg.mesh.multi_host or env) or jax.distributed.is_initialized():
         return
+    if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")   # CPU collectives over TCP
     kw = {}
     if cfg.mesh.coordinator:
         kw = dict(coordinator_address=cfg.mesh.coordinator, num_processes=cfg.mesh.num_processes,
@@ -133,7 +135,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
             bar.update(1)
             last = step + 1 == total
             if (step + 1) % cfg.log.every == 0 or last:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                m = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
                 now = time.perf_counter()
                 m["tokens_per_s"] = tok_count / max(now - t_last, 1e-9)
                 m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in scheds.items()})
@@ -143,8 +145,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
                 if log:
                     log.write(step + 1, m)
                 summary["last_metrics"] = m
-            if cfg.log.eval_every and ((step + 1) % cfg.log.eval_every == 0 or last) and lead:
-                ev = evaluate(cfg, task, params)
+            if cfg.log.eval_every and ((step + 1) % cfg.log.eval_every == 0 or last):
+                host_params = _to_host(params)
+                ev = evaluate(cfg, task, host_params) if lead else {}
                 if ev:
                     log.write_eval(step + 1, ev)
                     summary["eval"] = ev
@@ -168,9 +171,20 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     if log:
         log.close()
     summary.update(steps=total, params_tree=params)
-    if cfg.save_hf and lead:
-        _export_hf(cfg, task, params)
+    if cfg.save_hf:
+        host_params = _to_host(params)
+        if lead:
+            _export_hf(cfg, task, host_params)
     return summary
+
+
+def _to_host(params):
+    """Parameters as host numpy arrays (gathered across processes; collective)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        return multihost_utils.process_allgather(params, tiled=True)
+    return jax.device_get(params)
 
 
 def _mesh_devices(cfg: TrainConfig):
@@ -199,7 +213,7 @@ def evaluate(cfg: TrainConfig, task, params) -> dict:
 
     phase = cfg.all_phases()[-1]
     tb, seq_len = testbed_config(cfg.data, phase), phase_seq_len(cfg.data, phase)
-    model = task.model(jax.device_get(params))
+    model = task.model(params)
     res = teacher_forced(model, tb, cfg.data.eval_problems, seq_len)
     res["answer"] = answer_accuracy(model, tb, max(cfg.data.eval_problems // 4, 1), seq_len)
     return res
@@ -208,7 +222,7 @@ def evaluate(cfg: TrainConfig, task, params) -> dict:
 def _export_hf(cfg: TrainConfig, task, params) -> None:
     from kvjax.convert.hf_io import save_hf
 
-    model = task.model(jax.device_get(params))
+    model = task.model(params)
     path = save_hf(model, cfg.save_hf)
     if cfg.data.source == "testbed":
         from kvjax.data import save_tokenizer
