@@ -135,3 +135,14 @@ def test_two_processes_train_like_one(tmp_path):
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-5
     loss = lambda d: [json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl")]  # noqa: E731
     np.testing.assert_allclose(loss("one"), loss("two"), atol=1e-5)
+
+
+def test_dry_run_prints_per_device_memory():
+    from kvjax.train.dry_run import dry_run
+
+    cfg = load_config(TrainConfig, None, ["steps=10", "model.preset=qwen3-8b", "mesh.data=2", "mesh.fsdp=8",
+                                          "mesh.tensor=4"])
+    text = dry_run(cfg)
+    assert "parameters: 8.191 B" in text and "(64 devices)" in text
+    per_dev = float(text.split("per device: parameters ")[1].split(" GiB")[0])
+    assert per_dev == pytest.approx(8.191e9 * 4 / 32 / 2**30, rel=0.05)   # fsdp x tensor = 32 shards
