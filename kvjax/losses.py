@@ -1,0 +1,101 @@
+"""KVpop and LKV training losses.
+
+Retention (scorers only; their inputs are ``stop_gradient``-ed upstream):
+
+- ``regression_loss``: ``mean_t (r_hat_t - r_tgt_t)^2`` over tokens with a target.
+- ``boundary_pairwise_loss`` (seed, "boundary-aware loss"): at sampled query positions
+  ``q`` after the long-range budget is full (``|E(q)| > k``), the token leaving the window
+  ``t = q - w`` is compared with the teacher's current cutoff token ``c(q)`` (the k-th
+  best eligible token under the target ranking). Label ``y = 1`` if the teacher keeps
+  ``t`` (its target ranks within the top-k of ``E(q)``); loss
+  ``w * softplus(-(2y - 1) * (p_hat_t - p_hat_c))`` on the student's static priorities,
+  with margin weight ``w = tanh(|p_tgt_t - p_tgt_c| / margin)`` (near-ties count little)
+  and keep/drop balancing (positives and negatives each carry half the total weight).
+
+Distillation (student backbone):
+
+- ``kl_distill``: ``KL(p_teacher || p_student)`` per position, mean over the mask.
+- ``topk_kl_distill``: the same on the teacher's top-K tokens, both distributions
+  renormalised over that support.
+- ``hidden_mse``: LKV's per-layer hidden-state MSE.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.eviction.fenwick import fenwick_cutoffs, token_ranks
+
+
+def _masked_mean(x, mask):
+    m = mask.astype(jnp.float32)
+    return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def regression_loss(r_hat_BKS, r_tgt_BKS):
+    """Mean squared error on tokens whose target is finite."""
+    ok = jnp.isfinite(r_tgt_BKS)
+    diff = jnp.where(ok, r_hat_BKS - jnp.where(ok, r_tgt_BKS, 0.0), 0.0)
+    return _masked_mean(diff ** 2, ok)
+
+
+def boundary_pairs(p_tgt_BKS, *, sinks: int, window: int, topk: int):
+    """For each query ``q``: the exiting token ``t = q - w``, the teacher's cutoff token
+    ``c(q)``, whether the teacher keeps ``t``, and whether ``q`` is a valid boundary
+    (budget full and ``t`` eligible). Returns ``(t [S], c [B, K, S], keep [B, K, S], valid [B, K, S])``."""
+    B, K, S = p_tgt_BKS.shape
+    ranks = token_ranks(p_tgt_BKS)                                          # [B, K, S]
+    cut = fenwick_cutoffs(p_tgt_BKS, sinks=sinks, window=window, topk=topk)  # [B, K, S]
+    q = jnp.arange(S)
+    t = q - window
+    n_elig = jnp.maximum(q - window - sinks + 1, 0)
+    valid = (t >= sinks) & (n_elig > topk) & (topk > 0)
+    # token whose rank equals the cutoff: invert the rank permutation
+    by_rank = jnp.argsort(ranks, axis=-1)                                   # rank -> token
+    c = jnp.take_along_axis(by_rank, jnp.clip(cut, 0, S - 1), axis=-1)
+    t_rank = jnp.take_along_axis(ranks, jnp.broadcast_to(jnp.clip(t, 0, S - 1), (B, K, S)), axis=-1)
+    keep = t_rank <= cut
+    return t, c, keep, jnp.broadcast_to(valid, (B, K, S))
+
+
+def boundary_pairwise_loss(p_hat_BKS, p_tgt_BKS, *, sinks: int, window: int, topk: int, sample_mask_S=None,
+                           margin: float = 1.0):
+    """Boundary-aware logistic loss on student priorities (see module docstring)."""
+    B, K, S = p_hat_BKS.shape
+    t, c, keep, valid = boundary_pairs(jax.lax.stop_gradient(p_tgt_BKS), sinks=sinks, window=window, topk=topk)
+    if sample_mask_S is not None:
+        valid = valid & sample_mask_S
+    tt = jnp.broadcast_to(jnp.clip(t, 0, S - 1), (B, K, S))
+    pick = lambda x, i: jnp.take_along_axis(x, i, axis=-1)  # noqa: E731
+    d_hat = pick(p_hat_BKS, tt) - pick(p_hat_BKS, c)
+    d_tgt = pick(p_tgt_BKS, tt) - pick(p_tgt_BKS, c)
+    sign = jnp.where(keep, 1.0, -1.0)
+    w = jnp.where(valid, jnp.tanh(jnp.abs(jnp.nan_to_num(d_tgt)) / margin), 0.0)
+    pos, neg = jnp.sum(jnp.where(keep, w, 0.0)), jnp.sum(jnp.where(keep, 0.0, w))
+    w = jnp.where(keep, w / jnp.maximum(2 * pos, 1e-9), w / jnp.maximum(2 * neg, 1e-9))
+    w = w * jnp.where((pos > 0) & (neg > 0), 1.0, 2.0)      # one class only: it carries all weight
+    return jnp.sum(w * jax.nn.softplus(-sign * d_hat))
+
+
+def kl_distill(teacher_logits_BSV, student_logits_BSV, mask_BS):
+    """Mean over ``mask`` of ``KL(softmax(teacher) || softmax(student))``."""
+    lt = jax.nn.log_softmax(teacher_logits_BSV.astype(jnp.float32), -1)
+    ls = jax.nn.log_softmax(student_logits_BSV.astype(jnp.float32), -1)
+    return _masked_mean(jnp.sum(jnp.exp(lt) * (lt - ls), -1), mask_BS)
+
+
+def topk_kl_distill(teacher_logits_BSV, student_logits_BSV, mask_BS, k: int):
+    """KL on the teacher's top-``k`` tokens, both sides renormalised over that support."""
+    vals, idx = jax.lax.top_k(teacher_logits_BSV.astype(jnp.float32), k)
+    lt = jax.nn.log_softmax(vals, -1)
+    ls = jax.nn.log_softmax(jnp.take_along_axis(student_logits_BSV.astype(jnp.float32), idx, -1), -1)
+    return _masked_mean(jnp.sum(jnp.exp(lt) * (lt - ls), -1), mask_BS)
+
+
+def hidden_mse(teacher_hidden, student_hidden, mask_BS):
+    """LKV: ``sum_l mean_{b,s in mask} ||h_l^S - h_l^T||^2 / E`` over per-layer hidden states."""
+    total = 0.0
+    for ht, hs in zip(teacher_hidden, student_hidden):
+        total = total + _masked_mean(jnp.mean((hs.astype(jnp.float32) - ht.astype(jnp.float32)) ** 2, -1), mask_BS)
+    return total
