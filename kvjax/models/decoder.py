@@ -142,19 +142,23 @@ class Decoder(nnx.Module):
                                   ("vocab", "embed"))
 
     def __call__(self, tokens_BS, positions_BS=None, backend: AttentionBackend = causal_attention,
-                 state: Any = None):
-        """Final-norm hidden states ``[B, S, E]`` (compute dtype) and the backend state."""
+                 state: Any = None, *, layer_outputs: bool = False):
+        """Final-norm hidden states ``[B, S, E]`` (compute dtype) and the backend state;
+        with ``layer_outputs``, also the residual stream after every layer (for LKV's MSE)."""
         if positions_BS is None:
             positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
         inv_freq = inverse_frequencies(self.config)
         h = jnp.take(self.embed_tokens[...], tokens_BS, axis=0).astype(self.dtype)
+        per_layer = []
         for i, blk in enumerate(self.layers):
             x = rms_norm(h, blk.input_layernorm[...], blk.eps)
             q, k, v = blk.self_attn.qkv(x, positions_BS, inv_freq)
             attn, state = backend(i, q, k, v, positions_BS, state)
             h = h + blk.self_attn.out(attn)
             h = h + blk.mlp(rms_norm(h, blk.post_attention_layernorm[...], blk.eps))
-        return rms_norm(h, self.norm[...], self.config.rms_norm_eps), state
+            per_layer.append(h)
+        out = rms_norm(h, self.norm[...], self.config.rms_norm_eps)
+        return (out, state, tuple(per_layer)) if layer_outputs else (out, state)
 
     def logits(self, hidden_BSE):
         """Float32 logits ``[B, S, V]`` from final hidden states."""
