@@ -6,10 +6,11 @@ from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.policies import REGISTRY as POLICIES
 from kvjax.eviction.policies import make_policy, register
 from kvjax.generate import forward, generate
+from kvjax.lkv import soft_topk
 from kvjax.models.decoder import Decoder
 from kvjax.targets import future_attention_target
 
 Model = Decoder
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
-           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target"]
+           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk"]

@@ -68,8 +68,8 @@ def boundary_pairwise_loss(p_hat_BKS, p_tgt_BKS, *, sinks: int, window: int, top
         valid = valid & sample_mask_S
     tt = jnp.broadcast_to(jnp.clip(t, 0, S - 1), (B, K, S))
     pick = lambda x, i: jnp.take_along_axis(x, i, axis=-1)  # noqa: E731
-    d_hat = pick(p_hat_BKS, tt) - pick(p_hat_BKS, c)
-    d_tgt = pick(p_tgt_BKS, tt) - pick(p_tgt_BKS, c)
+    d_hat = jnp.where(valid, pick(p_hat_BKS, tt) - pick(p_hat_BKS, c), 0.0)   # masked before any
+    d_tgt = jnp.where(valid, pick(p_tgt_BKS, tt) - pick(p_tgt_BKS, c), 0.0)   # nonlinearity: no inf*0
     sign = jnp.where(keep, 1.0, -1.0)
     w = jnp.where(valid, jnp.tanh(jnp.abs(jnp.nan_to_num(d_tgt)) / margin), 0.0)
     pos, neg = jnp.sum(jnp.where(keep, w, 0.0)), jnp.sum(jnp.where(keep, 0.0, w))

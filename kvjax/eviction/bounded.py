@@ -28,6 +28,7 @@ from kvjax.models.attention import dense_attention
 class BoundedCache:
     layers: tuple[LayerState, ...]
     lengths: jax.Array        # [B] prompt lengths (read by prefill)
+    aux: tuple = ()           # per-layer policy state (e.g. the mLSTM scorer's memory)
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
@@ -67,6 +68,19 @@ class BoundedPolicy:
         """Attention heuristics: hook after each decode step's statistics update."""
         return st
 
+    def init_aux(self, params, cfg, batch: int):
+        """Per-layer policy state carried in the cache (default: none)."""
+        return ()
+
+    def prefill_priority(self, params, layer: int, k_BSKD, v_BSKD, positions_BS, lengths_B, aux):
+        """Static policies: prompt priorities ``[B, K, S]`` and this layer's policy state."""
+        return self.priority(params, layer, k_BSKD, v_BSKD, positions_BS), aux
+
+    def exit_priority(self, params, layer: int, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, aux):
+        """Static policies: priority ``[B, K]`` of the token leaving the window (after the
+        current token ``q`` arrived) and this layer's policy state."""
+        return self.priority(params, layer, k_exit_BKD[:, None], v_exit_BKD[:, None], t_B[:, None])[:, :, 0], aux
+
     def head_budgets(self, params, cfg, batch: int):
         """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
         ev = self.effective()
@@ -82,13 +96,12 @@ class BoundedPolicy:
         budgets = self.head_budgets(params, cfg, batch)
         layers = tuple(init_layer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])
                        for i in range(cfg.num_layers))
-        return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32))
+        return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32), self.init_aux(params, cfg, batch))
 
-    def sparse_mask(self, params, layer: int, k_BSKD, v_BSKD, positions_BS, budget_BK=None):
-        """Keep-rule mask ``[B, K, S, S]`` and priorities ``[B, K, S]`` for a static policy."""
+    def sparse_mask(self, prio_BKS):
+        """Keep-rule mask ``[B, K, S, S]`` from static priorities."""
         ev = self.effective()
-        prio = self.priority(params, layer, k_BSKD, v_BSKD, positions_BS)
-        return keep_mask_heads(prio, sinks=ev.sinks, window=ev.window, topk=ev.topk), prio
+        return keep_mask_heads(prio_BKS, sinks=ev.sinks, window=ev.window, topk=ev.topk)
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
         if q_BSHD.shape[1] > 1:
@@ -98,8 +111,11 @@ class BoundedPolicy:
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, st = self.effective(), cache.layers[layer]
         if self.static:
-            keep, prio = self.sparse_mask(params, layer, k, v, positions)
-            out, _ = masked_attention(q, k, v, keep)
+            aux = cache.aux[layer] if cache.aux else None
+            prio, aux = self.prefill_priority(params, layer, k, v, positions, cache.lengths, aux)
+            if cache.aux:
+                cache = cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
+            out, _ = masked_attention(q, k, v, self.sparse_mask(prio))
             score = jnp.zeros_like(prio)
         else:
             out, _ = dense_attention(q, k, v, positions, positions)
@@ -112,7 +128,10 @@ class BoundedPolicy:
         q_B = positions[:, 0]
         ex_k, ex_v, t_B, valid_B, ex_score, ex_snap = exiting(st, q_B, ev)
         if self.static:
-            p_exit = self.priority(params, layer, ex_k[:, None], ex_v[:, None], t_B[:, None])[:, :, 0]
+            aux = cache.aux[layer] if cache.aux else None
+            p_exit, aux = self.exit_priority(params, layer, k[:, 0], v[:, 0], ex_k, ex_v, t_B, aux)
+            if cache.aux:
+                cache = cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
         else:
             p_exit, st = self.decode_priorities(st, ex_score, ex_snap)
         st = insert_long_range(st, ex_k, ex_v, t_B, valid_B, p_exit, ex_score)

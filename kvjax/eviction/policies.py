@@ -139,8 +139,10 @@ class SnapKV(BoundedPolicy):
                           sink_score=jnp.where(due, 0.0, st.sink_score))
 
 
+from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM  # noqa: E402  (learned policies share this registry)
+
 REGISTRY: dict[str, type[BoundedPolicy]] = {
-    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV)}
+    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM)}
 
 
 def register(cls: type[BoundedPolicy]) -> type[BoundedPolicy]:

@@ -109,10 +109,20 @@ class LogSection:
 
 @dataclass(frozen=True)
 class EvictionSection:
+    """Budget and scorer of the sparse student (``distill_kvpop``)."""
+
     sinks: int = 4
     window: int = 64
     topk: int = 64
     scorer: Literal["mlp", "mlstm"] = "mlp"
+    scorer_hidden: int = 64          # MLP width
+    mlstm_qk_dim: int = 16           # mLSTM key/query width
+    mlstm_chunk: int = 64
+    regression_weight: float = 1.0
+    pairwise_weight: float = 1.0
+    pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
+    kd_weight: float = 1.0
+    kd_topk: int = 0                 # 0: KL over the full vocabulary
 
 
 @dataclass(frozen=True)

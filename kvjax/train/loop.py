@@ -92,13 +92,17 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     task = make_task(cfg)
     p_sh = param_shardings(task.graphdef, task.params, mesh)
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), task.params, p_sh)
+    frozen = None
+    if task.frozen is not None:
+        f_sh = param_shardings(task.frozen_def, task.frozen, mesh)
+        frozen = jax.tree.map(lambda x, s: jax.device_put(x, s), task.frozen, f_sh)
     total = cfg.total_steps
     optimizer, scheds = make_optimizer(cfg.optim, params, total)
     opt_state = place_on_mesh(jax.jit(optimizer.init)(params), mesh)
     o_sh = tree_shardings(opt_state)
     batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
     step_fn = jax.jit(make_train_step(task.loss_fn, optimizer, cfg.optim.grad_accum),
-                      out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+                      out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 2))
 
     ckpt = Checkpointer(cfg.checkpoint.dir or out / "checkpoints", cfg.checkpoint.keep)
     meta = meta_for(cfg)
@@ -128,7 +132,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
             batch_np = datasets[pi][local]
             batch = {k: _global(batch_np[k], batch_sh) for k in task.batch_keys}
             rng = jax.random.fold_in(key, step)
-            params, opt_state, metrics = step_fn(params, opt_state, batch, rng, masks[pi],
+            params, opt_state, metrics = step_fn(params, frozen, opt_state, batch, rng, masks[pi],
                                                  jnp.float32(phase.lr_scale))
             tok_count += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
             done_here += 1

@@ -19,13 +19,19 @@ from kvjax.train.steps import lm_loss
 
 @dataclasses.dataclass
 class Task:
-    graphdef: Any
+    graphdef: Any                                 # the model (or, when distilling, the student)
     params: Any                                   # trainable pytree (plain dicts of arrays)
-    loss_fn: Callable                             # (params, batch, rng) -> (loss, aux dict)
+    loss_fn: Callable                             # (params, frozen, batch, rng) -> (loss, aux dict)
     batch_keys: tuple[str, ...]                   # the batch fields the loss reads
+    frozen: Any = None                            # read-only pytree (e.g. the teacher's weights)
+    frozen_def: Any = None
+    to_model: Callable | None = None              # params -> a Decoder to evaluate / save
 
     def model(self, params=None):
-        return nnx.merge(self.graphdef, self.params if params is None else params)
+        params = self.params if params is None else params
+        if self.to_model is not None:
+            return self.to_model(params)
+        return nnx.merge(self.graphdef, params)
 
 
 def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
@@ -33,7 +39,7 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
     graphdef, params = split_params(model)
     loss_on_trace = cfg.data.loss_on == "trace"
 
-    def loss_fn(p, batch, rng):
+    def loss_fn(p, frozen, batch, rng):
         m = nnx.merge(graphdef, p)
         h, _ = m(batch["tokens"])
         mask = batch["loss_mask"]
@@ -45,7 +51,13 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
     return Task(graphdef, params, loss_fn, keys)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"pretrain": pretrain_task}
+def _distill_kvpop(cfg, *, abstract=False):
+    from kvjax.train.distill_kvpop import distill_kvpop_task
+
+    return distill_kvpop_task(cfg, abstract=abstract)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"pretrain": pretrain_task, "distill_kvpop": _distill_kvpop}
 
 
 def make_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:

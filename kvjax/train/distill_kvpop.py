@@ -1,0 +1,113 @@
+"""``distill_kvpop``: a dense frozen teacher distils into a sparse student (the same
+weights, attending under the keep rule of its own KVpop scorer).
+
+Per layer of the student's forward: scorer scores ``r_hat`` on ``stop_gradient([k; v])``,
+static priorities ``p_hat = r_hat + lambda t``, the keep-rule mask from them, masked
+attention returning the log-sum-exp, and the future-attention target ``r_tgt`` from a
+transposed pass reusing that LSE (``stop_gradient``). Loss:
+
+    kd_weight * KL(teacher || student)                       -> backbone only
+  + regression_weight * mean_l MSE(r_hat_l, r_tgt_l)          -> scorers only
+  + pairwise_weight * mean_l boundary_pairwise(p_hat_l, r_tgt_l)  -> scorers only
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.eviction.attention import keep_mask_heads, masked_attention
+from kvjax.losses import boundary_pairwise_loss, kl_distill, regression_loss, topk_kl_distill
+from kvjax.scorers import MLPScorer, MLSTMScorer
+from kvjax.scorers.params import static_priority
+from kvjax.targets import future_attention_target
+from kvjax.train.config import TrainConfig
+from kvjax.train.model_init import build_model
+from kvjax.train.optim import split_params
+
+
+class Student(nnx.Module):
+    """The sparse student: a backbone and its KVpop scorers (``scorers.*`` train at ``lr_scorers``)."""
+
+    def __init__(self, backbone, scorers):
+        self.backbone = backbone
+        self.scorers = scorers
+
+
+def make_scorer(cfg: TrainConfig, model_cfg, seed: int):
+    ev = cfg.eviction
+    rngs = nnx.Rngs(seed + 17)
+    if ev.scorer == "mlp":
+        return MLPScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.scorer_hidden, rngs=rngs)
+    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.mlstm_qk_dim, rngs=rngs)
+
+
+def scorer_outputs(scorer, layer, k_BSKD, v_BSKD, positions_BS, window: int, chunk: int):
+    """``(r_hat, p_hat)`` ``[B, K, S]`` for a whole sequence."""
+    if isinstance(scorer, MLSTMScorer):
+        r = scorer.scores(layer, k_BSKD, v_BSKD, window, chunk=chunk)
+    else:
+        r = scorer.scores(layer, k_BSKD, v_BSKD)
+    return r, static_priority(r, scorer.decay(layer), positions_BS)
+
+
+def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
+    """Student logits under its keep rule, and per-layer ``(r_hat, p_hat, r_tgt)``."""
+    ev = cfg.eviction
+
+    def backend(layer, q, k, v, positions, acc):
+        r_hat, p_hat = scorer_outputs(student.scorers, layer, k, v, positions, ev.window, ev.mlstm_chunk)
+        keep = keep_mask_heads(jax.lax.stop_gradient(p_hat), sinks=ev.sinks, window=ev.window, topk=ev.topk)
+        out, lse = masked_attention(q, k, v, keep)
+        tgt = future_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), window=ev.window,
+                                      lse=jax.lax.stop_gradient(lse))
+        return out, acc + ((r_hat, p_hat, jax.lax.stop_gradient(tgt)),)
+
+    h, per_layer = student.backbone(tokens_BS, None, backend, ())
+    return student.backbone.logits(h), per_layer
+
+
+def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
+    from kvjax.train.tasks import Task
+
+    ev = cfg.eviction
+    teacher_section = cfg.model if cfg.teacher_hf_path is None else dataclass_replace_path(cfg)
+    teacher = build_model(teacher_section, cfg.seed, abstract=abstract)
+    backbone = build_model(cfg.model, cfg.seed, abstract=abstract)
+    make = functools.partial(make_scorer, cfg, backbone.config, cfg.seed)
+    scorers = nnx.eval_shape(make) if abstract else make()
+    student = Student(backbone, scorers)
+    graphdef, params = split_params(student)
+    t_def, t_params = split_params(teacher)
+
+    def loss_fn(p, frozen, batch, rng):
+        st = nnx.merge(graphdef, p)
+        t_model = nnx.merge(t_def, frozen)
+        th, _ = t_model(batch["tokens"])
+        t_logits = jax.lax.stop_gradient(t_model.logits(th))
+        s_logits, per_layer = sparse_student_forward(st, batch["tokens"], cfg)
+        mask = batch["loss_mask"]
+        kd = (kl_distill(t_logits, s_logits, mask) if ev.kd_topk <= 0
+              else topk_kl_distill(t_logits, s_logits, mask, ev.kd_topk))
+        S = batch["tokens"].shape[1]
+        sample = jax.random.bernoulli(rng, ev.pairwise_frac, (S,))
+        reg = sum(regression_loss(r, t) for r, _, t in per_layer) / len(per_layer)
+        pair = sum(boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window, topk=ev.topk, sample_mask_S=sample)
+                   for _, ph, t in per_layer) / len(per_layer)
+        total = ev.kd_weight * kd + ev.regression_weight * reg + ev.pairwise_weight * pair
+        return total, {"kd": kd, "regression": reg, "pairwise": pair}
+
+    def to_model(p):
+        return nnx.merge(graphdef, p).backbone
+
+    return Task(graphdef, params, loss_fn, ("tokens", "loss_mask"), frozen=t_params, frozen_def=t_def,
+                to_model=to_model)
+
+
+def dataclass_replace_path(cfg: TrainConfig):
+    import dataclasses
+
+    return dataclasses.replace(cfg.model, hf_path=cfg.teacher_hf_path, preset=None, config=None)
