@@ -3,6 +3,7 @@
 from kvjax.config import ModelConfig, RopeScaling, preset
 from kvjax.convert.hf_io import load_hf, save_hf
 from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.keep_rule import keep_mask
 from kvjax.eviction.policies import REGISTRY as POLICIES
 from kvjax.eviction.policies import make_policy, register
 from kvjax.generate import forward, generate
@@ -13,4 +14,4 @@ from kvjax.targets import future_attention_target
 Model = Decoder
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
-           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk"]
+           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask"]

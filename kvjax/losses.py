@@ -25,7 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.eviction.fenwick import fenwick_cutoffs, token_ranks
+from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 
 
 def _masked_mean(x, mask):
@@ -46,7 +46,7 @@ def boundary_pairs(p_tgt_BKS, *, sinks: int, window: int, topk: int):
     (budget full and ``t`` eligible). Returns ``(t [S], c [B, K, S], keep [B, K, S], valid [B, K, S])``."""
     B, K, S = p_tgt_BKS.shape
     ranks = token_ranks(p_tgt_BKS)                                          # [B, K, S]
-    cut = fenwick_cutoffs(p_tgt_BKS, sinks=sinks, window=window, topk=topk)  # [B, K, S]
+    cut = cutoffs_from_ranks(ranks, sinks=sinks, window=window, topk=topk)  # [B, K, S]
     q = jnp.arange(S)
     t = q - window
     n_elig = jnp.maximum(q - window - sinks + 1, 0)

@@ -83,10 +83,22 @@ def test_sparse_forward_equals_stepwise_decode(tiny, ev):
 def test_full_budget_equals_dense_generation(tiny, name):
     prompts = [[5, 9, 11, 40, 3, 7], [8, 8, 20, 31, 77, 2, 50, 61, 12, 13, 14]]
     dense = np.asarray(kvjax.generate(tiny, prompts, 24, eos_token_id=[]))
-    params = jnp.zeros((2, 2, 2, 64)) if name == "oracle" else None
-    pol = make_policy(name, EvictionConfig(sinks=2, window=8, topk=40), params=params)
+
+    def build(ev):
+        if name.startswith("kvpop"):
+            from flax import nnx
+
+            from kvjax.eviction.learned import from_scorer
+            from kvjax.scorers import MLPScorer, MLSTMScorer
+
+            sc = MLPScorer(2, 2, 16, rngs=nnx.Rngs(0)) if name == "kvpop_mlp" else MLSTMScorer(2, 2, 16, 8,
+                                                                                               rngs=nnx.Rngs(0))
+            return from_scorer(sc, ev)
+        return make_policy(name, ev, params=jnp.zeros((2, 2, 2, 64)) if name == "oracle" else None)
+
+    pol = build(EvictionConfig(sinks=2, window=8, topk=40))
     np.testing.assert_array_equal(np.asarray(kvjax.generate(tiny, prompts, 24, policy=pol, eos_token_id=[])), dense)
-    small = make_policy(name, EvictionConfig(sinks=1, window=2, topk=2), params=params)
+    small = build(EvictionConfig(sinks=1, window=2, topk=2))
     assert (np.asarray(kvjax.generate(tiny, prompts, 24, policy=small, eos_token_id=[])) != dense).any()
 
 

@@ -13,23 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.eviction.fenwick import fenwick_cutoffs, token_ranks
+from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
+from kvjax.eviction.keep_rule import keep_mask_from_compact
 
 NEG_INF = -1e30
 
 
 def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk: int):
     """``bool [B, K, S, S]``: ``[.., q, t]`` true where query ``q`` may attend key ``t``."""
-    S = prio_BKS.shape[-1]
-    ranks = token_ranks(prio_BKS)                                               # [B, K, S]
-    cut = fenwick_cutoffs(prio_BKS, sinks=sinks, window=window, topk=topk)      # [B, K, S]
-    q = jnp.arange(S)[:, None]
-    t = jnp.arange(S)[None, :]
-    causal = t <= q
-    sink_or_window = (t < sinks) | (t > q - window)
-    eligible = (t >= sinks) & (t <= q - window)
-    long_range = eligible & (ranks[..., None, :] <= cut[..., :, None])
-    return causal & (sink_or_window | long_range)
+    ranks = token_ranks(prio_BKS)                                                        # [B, K, S]
+    cut = cutoffs_from_ranks(ranks, sinks=sinks, window=window, topk=topk)               # [B, K, S]
+    return keep_mask_from_compact(ranks, cut, sinks, window)
 
 
 def masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS):
