@@ -146,3 +146,21 @@ def test_dry_run_prints_per_device_memory():
     assert "parameters: 8.191 B" in text and "(64 devices)" in text
     per_dev = float(text.split("per device: parameters ")[1].split(" GiB")[0])
     assert per_dev == pytest.approx(8.191e9 * 4 / 32 / 2**30, rel=0.05)   # fsdp x tensor = 32 shards
+
+
+def test_curriculum_knobs():
+    from kvjax.train.config import DataSection, OptimSection, Phase
+    from kvjax.train.data import make_dataset
+    from kvjax.train.model_init import build_model
+    from kvjax.train.optim import make_optimizer
+
+    opt = OptimSection(lr=1.0, warmup_steps=2, min_lr_ratio=0.1, schedule_per_phase=True)
+    _, scheds = make_optimizer(opt, {"w": np.zeros(2)}, 20, [10, 10])
+    lr = [float(scheds["backbone"](i)) for i in range(20)]
+    assert lr[0] == 0.0 and lr[2] == pytest.approx(1.0) and lr[10] == 0.0 and lr[12] == pytest.approx(1.0)
+    data = DataSection(testbed={"length": 128, "num_names": 8}, seq_len=128, batch_size=8)
+    assert make_dataset(data, Phase(steps=1, batch_size=4), 0)[0]["tokens"].shape == (4, 128)
+    assert make_dataset(data, Phase(steps=1), 0)[0]["tokens"].shape == (8, 128)
+    cfg = tiny_config("unused", **{"model.qk_norm_init": 3.0})
+    model = build_model(cfg.model, 0)
+    assert float(model.layers[0].self_attn.q_norm[...].min()) == 3.0

@@ -53,7 +53,7 @@ def causal_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs, param_dtype, init_std: float):
+    def __init__(self, cfg: ModelConfig, *, rngs, param_dtype, init_std: float, qk_norm_init: float = 1.0):
         E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         w = nnx.initializers.normal(init_std)
         self.q_proj = _param(rngs, w, (E, H, D), param_dtype, ("embed", "q_heads", "head_dim"))
@@ -66,8 +66,9 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, _zeros, (K, D), param_dtype, ("kv_heads", "head_dim"))
             self.o_bias = _param(rngs, _zeros, (E,), param_dtype, ("embed",))
         if cfg.qk_norm:
-            self.q_norm = _param(rngs, _ones, (D,), param_dtype, ("head_dim",))
-            self.k_norm = _param(rngs, _ones, (D,), param_dtype, ("head_dim",))
+            norm_init = lambda key, shape, dtype: jnp.full(shape, qk_norm_init, dtype)  # noqa: E731
+            self.q_norm = _param(rngs, norm_init, (D,), param_dtype, ("head_dim",))
+            self.k_norm = _param(rngs, norm_init, (D,), param_dtype, ("head_dim",))
         self.cfg = cfg
 
     def qkv(self, x_BSE, positions_BS, inv_freq):
@@ -115,10 +116,11 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs, param_dtype, init_std: float):
+    def __init__(self, cfg: ModelConfig, *, rngs, param_dtype, init_std: float, qk_norm_init: float = 1.0):
         E = cfg.hidden_size
         self.input_layernorm = _param(rngs, _ones, (E,), param_dtype, ("norm",))
-        self.self_attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std)
+        self.self_attn = Attention(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std,
+                                   qk_norm_init=qk_norm_init)
         self.post_attention_layernorm = _param(rngs, _ones, (E,), param_dtype, ("norm",))
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std)
         self.eps = cfg.rms_norm_eps
@@ -128,14 +130,15 @@ class Decoder(nnx.Module):
     """The causal LM. ``dtype`` is the compute dtype; parameters keep ``param_dtype``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 dtype=jnp.float32, init_std: float = 0.02, embed_init_std: float = 0.02):
+                 dtype=jnp.float32, init_std: float = 0.02, embed_init_std: float = 0.02,
+                 qk_norm_init: float = 1.0):
         E, V = cfg.hidden_size, cfg.vocab_size
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         self.embed_tokens = _param(rngs, nnx.initializers.normal(embed_init_std), (V, E), param_dtype,
                                    ("vocab", "embed"))
-        self.layers = nnx.List([Block(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std)
-                                for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std,
+                                      qk_norm_init=qk_norm_init) for _ in range(cfg.num_layers)])
         self.norm = _param(rngs, _ones, (E,), param_dtype, ("norm",))
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, nnx.initializers.normal(init_std), (V, E), param_dtype,

@@ -20,6 +20,7 @@ class ModelSection:
     compute_dtype: str = "float32"
     init_std: float = 0.02
     embed_init_std: float = 0.02
+    qk_norm_init: float = 1.0                 # Qwen3 q/k RMSNorm weights at init (sharper early attention)
 
     def __post_init__(self):
         given = [n for n in ("hf_path", "preset", "config") if getattr(self, n) is not None]
@@ -60,6 +61,7 @@ class OptimSection:
     eps: float = 1e-8
     clip_norm: float = 1.0
     grad_accum: int = 1
+    schedule_per_phase: bool = False   # restart warmup + cosine at every curriculum phase
 
     def __post_init__(self):
         if self.grad_accum < 1:
@@ -76,6 +78,7 @@ class Phase:
     data: dict[str, Any] = field(default_factory=dict)     # overrides of data.testbed / seq_len
     trainable: list[str] = field(default_factory=list)     # regexes on parameter paths; [] = all
     lr_scale: float = 1.0
+    batch_size: int | None = None                          # default: data.batch_size
 
     def __post_init__(self):
         if self.steps < 1:

@@ -87,8 +87,9 @@ def make_dataset(data: DataSection, phase: Phase | None, seed: int) -> grain.Map
     else:
         ds = grain.MapDataset.source(JsonlTokenSource(data.path, seq_len)).shuffle(seed=seed).repeat()
     nproc, pid = jax.process_count(), jax.process_index()
-    if data.batch_size % nproc:
-        raise ValueError(f"data.batch_size {data.batch_size} must be divisible by the {nproc} processes")
+    batch_size = phase.batch_size if phase is not None and phase.batch_size else data.batch_size
+    if batch_size % nproc:
+        raise ValueError(f"batch size {batch_size} must be divisible by the {nproc} processes")
     if nproc > 1:
         ds = ds[pid::nproc]
-    return ds.batch(data.batch_size // nproc, drop_remainder=True)
+    return ds.batch(batch_size // nproc, drop_remainder=True)

@@ -97,7 +97,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
         f_sh = param_shardings(task.frozen_def, task.frozen, mesh)
         frozen = jax.tree.map(lambda x, s: jax.device_put(x, s), task.frozen, f_sh)
     total = cfg.total_steps
-    optimizer, scheds = make_optimizer(cfg.optim, params, total)
+    optimizer, scheds = make_optimizer(cfg.optim, params, total, [p.steps for p in cfg.all_phases()])
     opt_state = place_on_mesh(jax.jit(optimizer.init)(params), mesh)
     o_sh = tree_shardings(opt_state)
     batch_sh = NamedSharding(mesh, P(("data", "fsdp")))

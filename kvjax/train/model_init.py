@@ -30,6 +30,6 @@ def build_model(section: ModelSection, seed: int, *, abstract: bool = False) -> 
     def make():
         return Decoder(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(section.param_dtype),
                        dtype=jnp.dtype(section.compute_dtype), init_std=section.init_std,
-                       embed_init_std=section.embed_init_std)
+                       embed_init_std=section.embed_init_std, qk_norm_init=section.qk_norm_init)
 
     return nnx.eval_shape(make) if abstract else make()

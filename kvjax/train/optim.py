@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -39,10 +40,17 @@ def schedule(peak: float, cfg: OptimSection, total_steps: int) -> optax.Schedule
         decay_steps=max(total_steps, warmup + 1), end_value=peak * cfg.min_lr_ratio)
 
 
-def make_optimizer(cfg: OptimSection, params, total_steps: int) -> tuple[optax.GradientTransformation, dict]:
-    """``(optimizer, {group: schedule})`` for the param pytree ``params``."""
+def make_optimizer(cfg: OptimSection, params, total_steps: int,
+                   phase_steps: Sequence[int] | None = None) -> tuple[optax.GradientTransformation, dict]:
+    """``(optimizer, {group: schedule})`` for the param pytree ``params``; with
+    ``cfg.schedule_per_phase``, warmup + cosine restart at each phase of ``phase_steps``."""
     peaks = {"backbone": cfg.lr, "scorers": cfg.lr_scorers, "lkv": cfg.lr_lkv}
-    scheds = {g: schedule(peaks[g], cfg, total_steps) for g in GROUPS}
+    if cfg.schedule_per_phase and phase_steps and len(phase_steps) > 1:
+        bounds = list(np.cumsum(phase_steps)[:-1])
+        scheds = {g: optax.join_schedules([schedule(peaks[g], cfg, n) for n in phase_steps], bounds)
+                  for g in GROUPS}
+    else:
+        scheds = {g: schedule(peaks[g], cfg, total_steps) for g in GROUPS}
     labels = jax.tree_util.tree_map_with_path(lambda p, _: param_group(path_str(p)), params)
     inner = optax.multi_transform(
         {g: optax.adamw(scheds[g], b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
