@@ -9,7 +9,6 @@ problems, plus answer accuracy under free generation. Writes ``results.json`` an
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -62,18 +61,10 @@ def run_quality(cfg) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML config file")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-    args = ap.parse_args(argv)
-    from kvjax.configio import ConfigError, load_config, to_dict
+    from kvjax.configio import cli_config, to_dict
     from kvjax.evaluation.config import EvalConfig
 
-    try:
-        cfg = load_config(EvalConfig, args.config, args.set)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"eval.py: {e}", file=sys.stderr)
-        return 2
+    cfg, _ = cli_config(EvalConfig, "eval.py", __doc__, argv)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -9,27 +9,15 @@ from the latest checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="YAML config file")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key (dotted path), e.g. --set optim.lr=1e-3")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="print the train state's shapes and per-device memory, then exit")
-    args = ap.parse_args(argv)
-
-    from kvjax.configio import ConfigError, load_config
+    from kvjax.configio import cli_config
     from kvjax.train.config import TrainConfig
 
-    try:
-        cfg = load_config(TrainConfig, args.config, args.set)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"train.py: {e}", file=sys.stderr)
-        return 2
+    cfg, args = cli_config(TrainConfig, "train.py", __doc__, argv, lambda ap: ap.add_argument(
+        "--dry-run", action="store_true", help="print the train state's shapes and per-device memory, then exit"))
     if args.dry_run:
         from kvjax.train.dry_run import dry_run
 

@@ -134,3 +134,23 @@ def load_config(cls, path: str | Path | None, overrides: Sequence[str] = ()):
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
     return from_dict(cls, apply_overrides(data, overrides))
+
+
+def cli_config(cls, prog: str, doc: str, argv=None, extra=None):
+    """Parse ``--config FILE`` and ``--set key=value`` (plus ``extra(parser)`` flags) into
+    ``(config of type cls, args)``; a bad config prints ``prog: message`` and exits with 2."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML config file")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (dotted path), e.g. --set optim.lr=1e-3")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    try:
+        return load_config(cls, args.config, args.set), args
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -164,3 +164,11 @@ def test_curriculum_knobs():
     cfg = tiny_config("unused", **{"model.qk_norm_init": 3.0})
     model = build_model(cfg.model, 0)
     assert float(model.layers[0].self_attn.q_norm[...].min()) == 3.0
+
+
+def test_cli_reports_bad_config_and_exits_2():
+    for script, arg, msg in [("train.py", "nope=1", "unknown config key 'nope'"),
+                             ("eval.py", "policies=[dense,lru]", "unknown policy 'lru'")]:
+        res = subprocess.run([sys.executable, os.path.join(ROOT, script), "--set", arg], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert res.returncode == 2 and msg in res.stderr, res.stderr

@@ -22,6 +22,11 @@ class EvalConfig:
     def __post_init__(self):
         if self.num_problems < 1:
             raise ValueError(f"num_problems must be >= 1, got {self.num_problems}")
+        from kvjax.eviction.policies import REGISTRY
+
+        unknown = [p for p in self.policies if p != "dense" and p not in REGISTRY]
+        if unknown:
+            raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}")
         for c in self.compressions:
             if not 0.0 <= c < 1.0:
                 raise ValueError(f"compressions: each must be in [0, 1), got {c}")
