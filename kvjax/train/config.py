@@ -11,7 +11,11 @@ Mode = Literal["pretrain", "distill_kvpop", "distill_lkv"]
 
 @dataclass(frozen=True)
 class ModelSection:
-    """Where the model comes from: an HF folder, a preset, or inline HF-style fields."""
+    """Where the model comes from: an HF folder, a preset, or inline HF-style fields.
+
+    ``hf_path`` may come with ``preset`` naming its shapes: ``--dry-run`` then works
+    without the weights, and loading checks that the folder matches the preset.
+    """
 
     hf_path: str | None = None
     preset: str | None = None
@@ -24,8 +28,9 @@ class ModelSection:
 
     def __post_init__(self):
         given = [n for n in ("hf_path", "preset", "config") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one of model.hf_path, model.preset, model.config (got {given or 'none'})")
+        if given not in (["hf_path"], ["preset"], ["config"], ["hf_path", "preset"]):
+            raise ValueError(f"set one of model.hf_path (optionally with model.preset), model.preset, model.config "
+                             f"(got {given or 'none'})")
 
 
 @dataclass(frozen=True)
