@@ -6,6 +6,7 @@ from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.keep_rule import keep_mask
 from kvjax.eviction.policies import REGISTRY as POLICIES
 from kvjax.eviction.policies import make_policy, register
+from kvjax.export import export_scorers, load_scorers
 from kvjax.generate import forward, generate
 from kvjax.lkv import soft_topk
 from kvjax.models.decoder import Decoder
@@ -14,4 +15,5 @@ from kvjax.targets import future_attention_target
 Model = Decoder
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
-           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask"]
+           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
+           "export_scorers", "load_scorers"]

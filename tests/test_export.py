@@ -1,0 +1,97 @@
+"""Scorer export: round trip in kvjax, a plain PyTorch reference reproduces the scores,
+and export straight from a distill_kvpop run."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import load_file
+
+import kvjax
+from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.learned import from_scorer
+from kvjax.export import export_scorers, load_scorers
+from kvjax.scorers import MLPScorer, MLSTMScorer
+
+L, K, D, W = 2, 2, 16, 3
+
+
+def torch_mlp_scores(t, layer, x):
+    """x [S, K, 2D] -> r [K, S]."""
+    h = torch.nn.functional.silu(torch.einsum("skx,kxf->skf", x, t["mlp.w1"][layer]) + t["mlp.b1"][layer])
+    return (torch.einsum("skf,kf->sk", h, t["mlp.w2"][layer]) + t["mlp.b2"][layer]).T
+
+
+def torch_mlstm_scores(t, layer, x, window):
+    """Recurrent stabilised mLSTM with delayed readout: x [S, K, 2D] -> r [K, S] (-inf unread)."""
+    S = x.shape[0]
+    g = lambda n: t[f"mlstm.{n}"][layer]  # noqa: E731
+    d = g("wq").shape[-1]
+    q = torch.einsum("skx,kxd->skd", x, g("wq"))
+    k = torch.einsum("skx,kxd->skd", x, g("wk")) / d ** 0.5
+    v = torch.einsum("skx,kxe->ske", x, g("wv"))
+    i = torch.einsum("skx,kx->sk", x, g("wi")) + g("bi")
+    logf = torch.nn.functional.logsigmoid(torch.einsum("skx,kx->sk", x, g("wf")) + g("bf"))
+    C = torch.zeros(K, d, v.shape[-1])
+    n = torch.zeros(K, d)
+    m = torch.zeros(K)
+    r = torch.full((K, S), float("-inf"))
+    for s in range(S):
+        m_new = torch.maximum(logf[s] + m, i[s])
+        fa, ia = torch.exp(logf[s] + m - m_new), torch.exp(i[s] - m_new)
+        C = fa[:, None, None] * C + ia[:, None, None] * k[s][:, :, None] * v[s][:, None, :]
+        n = fa[:, None] * n + ia[:, None] * k[s]
+        m = m_new
+        tok = s - window
+        if tok >= 0:
+            u = q[tok]
+            h = torch.einsum("kde,kd->ke", C, u) / torch.maximum((n * u).sum(-1).abs(), torch.exp(-m))[:, None]
+            r[:, tok] = (torch.nn.functional.silu(h) * g("head_w")).sum(-1) + g("head_b")
+    return r
+
+
+@pytest.mark.parametrize("kind", ["mlp", "mlstm"])
+def test_round_trip_and_pytorch_reference(tmp_path, kind):
+    sc = MLPScorer(L, K, D, rngs=nnx.Rngs(3)) if kind == "mlp" else MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3))
+    policy = from_scorer(sc, EvictionConfig(sinks=1, window=W, topk=5))
+    out = export_scorers(policy, tmp_path / "exported", base_model_name="tiny")
+    meta = json.loads((out / "scorer_config.json").read_text())
+    assert meta["scorer"] == kind and meta["window"] == W and meta["base_model"] == "tiny"
+    back = load_scorers(out)
+    rs = np.random.RandomState(0)
+    k = jnp.asarray(rs.randn(1, 40, K, D).astype(np.float32))
+    v = jnp.asarray(rs.randn(1, 40, K, D).astype(np.float32))
+    t = jnp.arange(40)[None]
+    for layer in range(L):
+        a = np.asarray(policy.priority(policy.params, layer, k, v, t))
+        b = np.asarray(back.priority(back.params, layer, k, v, t))
+        np.testing.assert_array_equal(a, b)
+        tensors = load_file(out / "scorers.safetensors")
+        x = torch.cat([torch.tensor(np.asarray(k[0])), torch.tensor(np.asarray(v[0]))], -1)
+        ref = torch_mlp_scores(tensors, layer, x) if kind == "mlp" else torch_mlstm_scores(tensors, layer, x, W)
+        lam = torch.nn.functional.softplus(tensors["decay_raw"][layer])
+        ref = (ref + lam[:, None] * torch.arange(40)[None]).numpy()
+        np.testing.assert_allclose(a[0], ref, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(meta["decays"])[layer], lam.numpy(), rtol=1e-6)
+
+
+def test_export_from_a_distill_run(tmp_path):
+    from kvjax.train.loop import train
+    from train_helpers import TINY_MODEL, tiny_config
+
+    teacher = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(0))
+    kvjax.save_hf(teacher, tmp_path / "teacher")
+    cfg = tiny_config(tmp_path / "run", steps=2, mode="distill_kvpop",
+                      **{"model": {"hf_path": str(tmp_path / "teacher")},
+                         "eviction": {"sinks": 2, "window": 8, "topk": 16, "scorer": "mlstm", "mlstm_qk_dim": 8}})
+    train(cfg, quiet=True)
+    out = export_scorers(tmp_path / "run", tmp_path / "scorers")
+    meta = json.loads((out / "scorer_config.json").read_text())
+    assert meta["scorer"] == "mlstm" and meta["base_config_sha256"] and meta["topk"] == 16
+    gen = kvjax.generate(teacher, [[1, 5, 9, 13]], 20, policy=load_scorers(out), eos_token_id=[])
+    assert gen.shape == (1, 24)
+    with pytest.raises(FileNotFoundError, match="scorers.safetensors: missing"):
+        load_scorers(tmp_path)
