@@ -21,18 +21,11 @@ class DenseCache:
     k: tuple[jax.Array, ...]  # per layer [B, T, K, D], post-RoPE keys
     v: tuple[jax.Array, ...]  # per layer [B, T, K, D]
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[1]
-
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "DenseCache":
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
-
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
 def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache):

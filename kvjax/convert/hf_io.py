@@ -8,6 +8,7 @@ place, so a failed save never leaves a half-written folder where a good one was.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,12 +99,12 @@ def load_hf(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mes
                        f"{cfg.model_type} model" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
 
     handles: dict[Path, object] = {}
-    try:
+    with contextlib.ExitStack() as stack:
         for p, var in flat:
             hf_key, tr = table[_dotted(p)]
             f = files[hf_key]
             if f not in handles:
-                handles[f] = safe_open(f, framework="np").__enter__()
+                handles[f] = stack.enter_context(safe_open(f, framework="np"))
             arr = handles[f].get_tensor(hf_key)
             want = tr.hf_shape(var.get_value().shape)
             if tuple(arr.shape) != tuple(want):
@@ -115,9 +116,6 @@ def load_hf(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mes
                 value = jnp.asarray(arr)
             var.set_value(value)
             del arr
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

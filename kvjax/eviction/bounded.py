@@ -49,15 +49,15 @@ class BoundedPolicy:
 
     def priority(self, params, layer: int, k_BSKD, v_BSKD, t_BS):
         """Static policies: ``float32 [B, K, S]`` priority of tokens at positions ``t``."""
-        raise NotImplementedError
+        raise TypeError(f"policy {self.name!r} is static but defines no priority()")
 
     def prefill_scores(self, probs_BKGSS, lengths_B):
         """Attention heuristics: ``[B, K, S]`` per-token statistic after a dense prefill."""
-        raise NotImplementedError
+        raise TypeError(f"policy {self.name!r} is not static but defines no prefill_scores()")
 
     def update_scores(self, scores_BKN, probs_BKN):
         """Attention heuristics: new per-slot statistic after one decode step."""
-        raise NotImplementedError
+        raise TypeError(f"policy {self.name!r} is not static but defines no update_scores()")
 
     def decode_priorities(self, st: LayerState, exit_score_BK, exit_snapshot_BK):
         """Attention heuristics: the exiting token's priority, and the state with its
@@ -113,8 +113,7 @@ class BoundedPolicy:
         if self.static:
             aux = cache.aux[layer] if cache.aux else None
             prio, aux = self.prefill_priority(params, layer, k, v, positions, cache.lengths, aux)
-            if cache.aux:
-                cache = cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
+            cache = _replace_aux(cache, layer, aux)
             out, _ = masked_attention(q, k, v, self.sparse_mask(prio))
             score = jnp.zeros_like(prio)
         else:
@@ -130,8 +129,7 @@ class BoundedPolicy:
         if self.static:
             aux = cache.aux[layer] if cache.aux else None
             p_exit, aux = self.exit_priority(params, layer, k[:, 0], v[:, 0], ex_k, ex_v, t_B, aux)
-            if cache.aux:
-                cache = cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
+            cache = _replace_aux(cache, layer, aux)
         else:
             p_exit, st = self.decode_priorities(st, ex_score, ex_snap)
         st = insert_long_range(st, ex_k, ex_v, t_B, valid_B, p_exit, ex_score)
@@ -142,6 +140,12 @@ class BoundedPolicy:
         if not self.static:
             st = self.refresh(set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev), q_B)
         return out[:, None], _replace_layer(cache, layer, st)
+
+
+def _replace_aux(cache: BoundedCache, layer: int, aux) -> BoundedCache:
+    if not cache.aux:
+        return cache
+    return cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
 
 
 def _replace_layer(cache: BoundedCache, layer: int, st: LayerState) -> BoundedCache:

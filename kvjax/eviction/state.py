@@ -37,9 +37,6 @@ class LayerState:
     win_prio: jax.Array    # [B, K, w] float32 - ring tokens' priority snapshot (SnapKV)
     budget: jax.Array      # [B, K] int32, long-range slots this head may fill (<= m)
 
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
-
 
 def init_layer(ev: EvictionConfig, batch: int, kv_heads: int, head_dim: int, dtype, budget=None) -> LayerState:
     s, w, m = ev.sinks, ev.window, ev.slots
@@ -160,10 +157,9 @@ def write_current(st: LayerState, k_BKD, v_BKD, q_B, ev: EvictionConfig) -> Laye
     is_sink = q_B < ev.sinks
     hit_s = (jnp.arange(ev.sinks)[None, :] == q_B[:, None]) & is_sink[:, None]          # [B, s]
     hit_w = (jnp.arange(ev.window)[None, :] == jnp.mod(q_B, ev.window)[:, None]) & ~is_sink[:, None]
-    put = lambda old, hit: jnp.where(hit[:, None, :, None], k_BKD[:, :, None].astype(old.dtype), old)  # noqa: E731
-    putv = lambda old, hit: jnp.where(hit[:, None, :, None], v_BKD[:, :, None].astype(old.dtype), old)  # noqa: E731
-    return st.replace(sink_k=put(st.sink_k, hit_s), sink_v=putv(st.sink_v, hit_s),
-                      win_k=put(st.win_k, hit_w), win_v=putv(st.win_v, hit_w),
+    put = lambda old, new, hit: jnp.where(hit[:, None, :, None], new[:, :, None].astype(old.dtype), old)  # noqa: E731
+    return st.replace(sink_k=put(st.sink_k, k_BKD, hit_s), sink_v=put(st.sink_v, v_BKD, hit_s),
+                      win_k=put(st.win_k, k_BKD, hit_w), win_v=put(st.win_v, v_BKD, hit_w),
                       sink_score=jnp.where(hit_s[:, None], 0.0, st.sink_score),
                       win_score=jnp.where(hit_w[:, None], 0.0, st.win_score),
                       win_prio=jnp.where(hit_w[:, None], 0.0, st.win_prio))

@@ -13,10 +13,10 @@ transposed pass reusing that LSE (``stop_gradient``). Loss:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.eviction.attention import keep_mask_heads, masked_attention
@@ -74,7 +74,8 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
     from kvjax.train.tasks import Task
 
     ev = cfg.eviction
-    teacher_section = cfg.model if cfg.teacher_hf_path is None else dataclass_replace_path(cfg)
+    teacher_section = cfg.model if cfg.teacher_hf_path is None else dataclasses.replace(
+        cfg.model, hf_path=cfg.teacher_hf_path, preset=None, config=None)
     teacher = build_model(teacher_section, cfg.seed, abstract=abstract)
     backbone = build_model(cfg.model, cfg.seed, abstract=abstract)
     make = functools.partial(make_scorer, cfg, backbone.config, cfg.seed)
@@ -105,9 +106,3 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
 
     return Task(graphdef, params, loss_fn, ("tokens", "loss_mask"), frozen=t_params, frozen_def=t_def,
                 to_model=to_model)
-
-
-def dataclass_replace_path(cfg: TrainConfig):
-    import dataclasses
-
-    return dataclasses.replace(cfg.model, hf_path=cfg.teacher_hf_path, preset=None, config=None)

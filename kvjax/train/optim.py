@@ -86,7 +86,3 @@ def split_params(model):
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state)
 
-
-def merge_params(graphdef, params):
-    state = nnx.State(params) if not isinstance(params, nnx.State) else params
-    return nnx.merge(graphdef, state)
