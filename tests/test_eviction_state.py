@@ -94,6 +94,20 @@ def test_full_budget_equals_dense_generation(tiny, name):
             sc = MLPScorer(2, 2, 16, rngs=nnx.Rngs(0)) if name == "kvpop_mlp" else MLSTMScorer(2, 2, 16, 8,
                                                                                                rngs=nnx.Rngs(0))
             return from_scorer(sc, ev)
+        if name.startswith("lkv"):
+            import dataclasses
+
+            from flax import nnx
+
+            from kvjax.eviction.lkv_policies import lkv_budgets_policy, lkv_policy
+            from kvjax.lkv import LKVHeads, LKVTokenScorer
+            from kvjax.scorers import MLSTMScorer
+
+            ev = dataclasses.replace(ev, k_max=2 * ev.topk)   # equal head scores: every b_lh = topk
+            heads = LKVHeads(2, 2, rngs=nnx.Rngs(0))
+            if name == "lkv":
+                return lkv_policy(heads, LKVTokenScorer(2, 2, 16, rngs=nnx.Rngs(0)), ev)
+            return lkv_budgets_policy(heads, MLSTMScorer(2, 2, 16, 8, rngs=nnx.Rngs(0)), ev)
         return make_policy(name, ev, params=jnp.zeros((2, 2, 2, 64)) if name == "oracle" else None)
 
     pol = build(EvictionConfig(sinks=2, window=8, topk=40))

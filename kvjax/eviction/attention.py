@@ -19,8 +19,9 @@ from kvjax.eviction.keep_rule import keep_mask_from_compact
 NEG_INF = -1e30
 
 
-def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk: int):
-    """``bool [B, K, S, S]``: ``[.., q, t]`` true where query ``q`` may attend key ``t``."""
+def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
+    """``bool [B, K, S, S]``: ``[.., q, t]`` true where query ``q`` may attend key ``t``;
+    ``topk`` an int or per-head budgets broadcastable to ``[B, K]``."""
     ranks = token_ranks(prio_BKS)                                                        # [B, K, S]
     cut = cutoffs_from_ranks(ranks, sinks=sinks, window=window, topk=topk)               # [B, K, S]
     return keep_mask_from_compact(ranks, cut, sinks, window)

@@ -98,10 +98,11 @@ class BoundedPolicy:
                        for i in range(cfg.num_layers))
         return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32), self.init_aux(params, cfg, batch))
 
-    def sparse_mask(self, prio_BKS):
-        """Keep-rule mask ``[B, K, S, S]`` from static priorities."""
+    def sparse_mask(self, prio_BKS, budget_BK):
+        """Keep-rule mask ``[B, K, S, S]`` from static priorities, each head with its own
+        long-range budget (the decode state's, so prefill and decode keep the same set)."""
         ev = self.effective()
-        return keep_mask_heads(prio_BKS, sinks=ev.sinks, window=ev.window, topk=ev.topk)
+        return keep_mask_heads(prio_BKS, sinks=ev.sinks, window=ev.window, topk=budget_BK)
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
         if q_BSHD.shape[1] > 1:
@@ -114,7 +115,7 @@ class BoundedPolicy:
             aux = cache.aux[layer] if cache.aux else None
             prio, aux = self.prefill_priority(params, layer, k, v, positions, cache.lengths, aux)
             cache = _replace_aux(cache, layer, aux)
-            out, _ = masked_attention(q, k, v, self.sparse_mask(prio))
+            out, _ = masked_attention(q, k, v, self.sparse_mask(prio, st.budget))
             score = jnp.zeros_like(prio)
         else:
             out, _ = dense_attention(q, k, v, positions, positions)

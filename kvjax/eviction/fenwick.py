@@ -108,11 +108,35 @@ def fenwick_cutoffs(priority_XS, *, sinks: int, window: int, topk: int) -> jax.A
     return cutoffs_from_ranks(token_ranks(priority_XS), sinks=sinks, window=window, topk=topk)
 
 
-def cutoffs_from_ranks(rank_XS, *, sinks: int, window: int, topk: int) -> jax.Array:
-    """``fenwick_cutoffs`` given ``token_ranks`` output ``[..., S]``."""
+def cutoffs_from_ranks(rank_XS, *, sinks: int, window: int, topk) -> jax.Array:
+    """``fenwick_cutoffs`` given ``token_ranks`` output ``[..., S]``.
+
+    ``topk`` is an int, or an int array broadcastable to ``[...]``: one budget per row
+    (LKV's per-head budgets ``b_lh``)."""
     rank_XS = validate_tokens("rank", rank_XS)
-    budget = _traced_budget(sinks, window, topk, rank_XS.shape[-1])
-    return _lifted_cutoffs(rank_XS.reshape(-1, rank_XS.shape[-1]), *budget).reshape(rank_XS.shape)
+    S = rank_XS.shape[-1]
+    if isinstance(topk, (int, np.integer)):
+        sinks, window, topk = _traced_budget(sinks, window, int(topk), S)
+        topk_X = jnp.full(rank_XS.shape[:-1], topk, jnp.int32)
+    else:
+        sinks, window, _ = _traced_budget(sinks, window, 0, S)
+        topk_X = per_row_budget(topk, rank_XS.shape[:-1], S)
+    return _lifted_cutoffs(rank_XS.reshape(-1, S), sinks, window, topk_X.reshape(-1)).reshape(rank_XS.shape)
+
+
+def per_row_budget(topk, rows: tuple[int, ...], S: int) -> jax.Array:
+    """Per-row budgets ``int32 [*rows]`` from an int array broadcastable to ``rows``,
+    clamped to ``S + 1`` (larger values act alike); ``ValueError`` on a bad shape or dtype."""
+    topk = jnp.asarray(topk)
+    if not jnp.issubdtype(topk.dtype, jnp.integer):
+        raise ValueError(f"topk must be an int or an int array, got dtype {topk.dtype}")
+    try:
+        topk = jnp.broadcast_to(topk, rows)
+    except ValueError:
+        raise ValueError(f"per-row topk of shape {topk.shape} does not broadcast to the rows {rows}") from None
+    if not isinstance(topk, jax.core.Tracer) and bool(jnp.any(topk < 0)):
+        raise ValueError(f"topk must be >= 0, got a minimum of {int(jnp.min(topk))}")
+    return jnp.clip(topk, 0, S + 1).astype(jnp.int32)
 
 
 def fenwick_cutoffs_sequential(priority_XS, *, sinks: int, window: int, topk: int) -> jax.Array:
@@ -137,17 +161,19 @@ def _zeros_before(words_HW, prefix_HW1, i_HX):
 
 
 @jax.jit
-def _lifted_cutoffs(rank_HS, sinks, window, topk):
+def _lifted_cutoffs(rank_HS, sinks, window, topk_H):
     """Rows in groups of about ``GROUP_TOKENS`` tokens: small groups stay in cache."""
     H, S = rank_HS.shape
     G = max(1, min(H, GROUP_TOKENS // S))
     rank_NGS = jnp.pad(rank_HS, ((0, -H % G), (0, 0))).reshape(-1, G, S)
-    cutoff_NGS = lax.map(lambda rank_GS: _lift_group(rank_GS, sinks, window, topk), rank_NGS)
+    topk_NG1 = jnp.pad(topk_H, (0, -H % G)).reshape(-1, G, 1)
+    cutoff_NGS = lax.map(lambda xs: _lift_group(xs[0], sinks, window, xs[1]), (rank_NGS, topk_NG1))
     return cutoff_NGS.reshape(-1, S)[:H]
 
 
-def _lift_group(rank_HS, sinks, window, topk):
-    """Binary lifting for every query at once over a wavelet matrix of ``rank [H, S]``."""
+def _lift_group(rank_HS, sinks, window, topk_H1):
+    """Binary lifting for every query at once over a wavelet matrix of ``rank [H, S]``
+    with per-row budgets ``topk [H, 1]``."""
     H, S = rank_HS.shape
     num_bits = max(1, (S - 1).bit_length())
     W = -(-S // 32)
@@ -181,12 +207,12 @@ def _lift_group(rank_HS, sinks, window, topk):
         seq_F = jnp.zeros_like(seq_F).at[dest_HP.reshape(-1)].set(seq_F, unique_indices=True, mode="promise_in_bounds")
         return (seq_F, lo_HS, hi_HS, kth_HS), None
 
-    init = (seq_F, lo_HS, hi_HS, jnp.full((H, S), topk - 1, jnp.int32))
+    init = (seq_F, lo_HS, hi_HS, jnp.broadcast_to(topk_H1 - 1, (H, S)).astype(jnp.int32))
     (seq_F, lo_HS, _, _), _ = lax.scan(level, init, jnp.arange(num_bits - 1, -1, -1, dtype=jnp.int32))
     # After the last partition every token of a query's interval has the answer rank.
     tau_HS = jnp.take_along_axis(seq_F.reshape(H, Sp), lo_HS, axis=1, mode="clip")
-    tau_HS = jnp.where(hi_S - sinks >= topk, tau_HS, S)
-    return jnp.where(topk == 0, -1, tau_HS)
+    tau_HS = jnp.where(hi_S - sinks >= topk_H1, tau_HS, S)
+    return jnp.where(topk_H1 == 0, -1, tau_HS)
 
 
 @jax.jit

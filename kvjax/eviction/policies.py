@@ -140,9 +140,11 @@ class SnapKV(BoundedPolicy):
 
 
 from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM  # noqa: E402  (learned policies share this registry)
+from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM  # noqa: E402
 
 REGISTRY: dict[str, type[BoundedPolicy]] = {
-    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM)}
+    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
+                              LKV, LKVBudgetsKVpopMLSTM)}
 
 
 def register(cls: type[BoundedPolicy]) -> type[BoundedPolicy]:

@@ -84,7 +84,7 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
     graphdef, params = split_params(student)
     t_def, t_params = split_params(teacher)
 
-    def loss_fn(p, frozen, batch, rng):
+    def loss_fn(p, frozen, batch, rng, step):
         st = nnx.merge(graphdef, p)
         t_model = nnx.merge(t_def, frozen)
         th, _ = t_model(batch["tokens"])

@@ -133,7 +133,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
             batch = {k: _global(batch_np[k], batch_sh) for k in task.batch_keys}
             rng = jax.random.fold_in(key, step)
             params, opt_state, metrics = step_fn(params, frozen, opt_state, batch, rng, masks[pi],
-                                                 jnp.float32(phase.lr_scale))
+                                                 jnp.float32(phase.lr_scale), jnp.int32(step))
             tok_count += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
             done_here += 1
             bar.update(1)

@@ -1,7 +1,8 @@
 """The jitted train step: microbatch gradient accumulation, masked update, metrics.
 
-``loss_fn(params, frozen, batch, rng) -> (loss, aux)`` is the mode's loss (``frozen``:
-parameters it reads but does not train, e.g. the distillation teacher); the step averages
+``loss_fn(params, frozen, batch, rng, step) -> (loss, aux)`` is the mode's loss (``frozen``:
+parameters it reads but does not train, e.g. the distillation teacher; ``step`` the global
+step, for schedules inside the loss such as LKV's Gumbel temperature); the step averages
 its gradients over ``grad_accum`` microbatches with ``lax.scan``, zeroes the updates of
 frozen parameters (the phase's trainable mask), and scales them by the phase's
 ``lr_scale``. Non-finite gradients skip the update (``optax.apply_if_finite``).
@@ -25,10 +26,10 @@ def lm_loss(logits_BSV, targets_BS, mask_BS):
 
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, grad_accum: int):
-    def step(params, frozen, opt_state, batch, rng, update_mask, lr_scale):
+    def step(params, frozen, opt_state, batch, rng, update_mask, lr_scale, global_step):
         def micro(carry, xs):
             mb, key = xs
-            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, mb, key)
+            (loss, aux), g = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, mb, key, global_step)
             acc_g, acc_l, acc_aux = carry
             return (jax.tree.map(jnp.add, acc_g, g), acc_l + loss,
                     jax.tree.map(jnp.add, acc_aux, aux)), None
@@ -36,7 +37,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         mbs = jax.tree.map(lambda x: x.reshape(grad_accum, x.shape[0] // grad_accum, *x.shape[1:]), batch)
         keys = jax.random.split(rng, grad_accum)
         zero_g = jax.tree.map(jnp.zeros_like, params)
-        _, aux0 = jax.eval_shape(loss_fn, params, frozen, jax.tree.map(lambda x: x[0], mbs), keys[0])
+        _, aux0 = jax.eval_shape(loss_fn, params, frozen, jax.tree.map(lambda x: x[0], mbs), keys[0],
+                                 global_step)
         zero_aux = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux0)
         (g, loss, aux), _ = jax.lax.scan(micro, (zero_g, jnp.float32(0), zero_aux), (mbs, keys))
         g = jax.tree.map(lambda x: x / grad_accum, g)

@@ -21,7 +21,7 @@ from kvjax.train.steps import lm_loss
 class Task:
     graphdef: Any                                 # the model (or, when distilling, the student)
     params: Any                                   # trainable pytree (plain dicts of arrays)
-    loss_fn: Callable                             # (params, frozen, batch, rng) -> (loss, aux dict)
+    loss_fn: Callable                             # (params, frozen, batch, rng, step) -> (loss, aux)
     batch_keys: tuple[str, ...]                   # the batch fields the loss reads
     frozen: Any = None                            # read-only pytree (e.g. the teacher's weights)
     frozen_def: Any = None
@@ -39,7 +39,7 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
     graphdef, params = split_params(model)
     loss_on_trace = cfg.data.loss_on == "trace"
 
-    def loss_fn(p, frozen, batch, rng):
+    def loss_fn(p, frozen, batch, rng, step):
         m = nnx.merge(graphdef, p)
         h, _ = m(batch["tokens"])
         mask = batch["loss_mask"]

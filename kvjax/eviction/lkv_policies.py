@@ -1,0 +1,99 @@
+"""LKV's inference policies, over the same bounded cache and keep rule as every other policy.
+
+- ``lkv``: LKV-H's per-head budgets ``b_lh = floor(r_lh k_max)`` and LKV-T's token scores
+  ``u_t`` as static priorities (hard top-``b_lh`` of ``u``).
+- ``lkv_kvpop_mlstm``: LKV-H's budgets with KVpop's delayed mLSTM scorer choosing the
+  tokens -- a combination neither seed reports.
+
+The budgets are fixed integers (LKV-H depends only on its head embeddings), computed once
+when the policy is built; the cache is padded to ``k_max`` slots per head and each head
+fills ``b_lh`` of them. The ratios' keep ratio is ``R = topk / k_max``, so the budgets sum
+to at most ``L K topk``: the same number of long-range tokens as a uniform policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from flax import nnx
+
+from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.learned import KVpopMLSTM
+
+
+def lkv_keep_ratio(config: EvictionConfig) -> float:
+    """``R = topk / k_max``: the fraction of the padded long-range slots LKV-H may fill."""
+    if config.k_max is None or not 0 < config.topk < config.k_max:
+        raise ValueError(f"LKV policies need 0 < topk < k_max (k_max: the slots a head may fill at most), "
+                         f"got topk={config.topk}, k_max={config.k_max}")
+    return config.topk / config.k_max
+
+
+def head_budgets_from(heads, config: EvictionConfig):
+    """Integer budgets ``int32 [L, K]`` of a trained ``LKVHeads`` under ``config``."""
+    return heads.budgets(lkv_keep_ratio(config), config.k_max, config.k_max)
+
+
+class _LearnedBudgets:
+    """Per-head budgets from ``params["budgets"]`` (``int [L, K]``)."""
+
+    def head_budgets(self, params, cfg, batch: int):
+        budgets = _field(params, "budgets", self.name)
+        if budgets.shape != (cfg.num_layers, cfg.num_kv_heads):
+            raise ValueError(f"policy {self.name!r}: budgets have shape {budgets.shape}, the model needs "
+                             f"[layers, kv_heads] = {(cfg.num_layers, cfg.num_kv_heads)}")
+        budgets = jnp.minimum(jnp.asarray(budgets, jnp.int32), self.effective().slots)
+        return jnp.broadcast_to(budgets[:, None, :], (cfg.num_layers, batch, cfg.num_kv_heads))
+
+
+def _field(params, key: str, name: str):
+    if not isinstance(params, dict) or key not in params:
+        raise ValueError(f"the {name} policy needs trained LKV weights: build it with "
+                         f"kvjax.eviction.lkv_policies.{'lkv_policy' if name == 'lkv' else 'lkv_budgets_policy'}"
+                         f"(...) or kvjax.load_scorers(dir)")
+    return params[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class LKV(_LearnedBudgets, BoundedPolicy):
+    """``params = {"budgets": int [L, K], "tokens": LKVTokenScorer weights}``."""
+
+    name: ClassVar[str] = "lkv"
+    tokens_def: Any = None
+
+    def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
+        if self.tokens_def is None:
+            _field(None, "tokens", self.name)
+        return nnx.merge(self.tokens_def, _field(params, "tokens", self.name)).scores(layer, k_BSKD, v_BSKD)
+
+
+@dataclasses.dataclass(frozen=True)
+class LKVBudgetsKVpopMLSTM(_LearnedBudgets, KVpopMLSTM):
+    """``params = {"budgets": int [L, K], "scorer": MLSTMScorer weights}``."""
+
+    name: ClassVar[str] = "lkv_kvpop_mlstm"
+
+    def scorer(self, params):
+        return super().scorer(_field(params, "scorer", self.name))
+
+
+def lkv_policy(heads, token_scorer, config: EvictionConfig) -> LKV:
+    """The ``lkv`` policy of trained ``LKVHeads`` and ``LKVTokenScorer``."""
+    tokens_def, tokens = nnx.split(token_scorer)
+    return LKV(config, params={"budgets": head_budgets_from(heads, config), "tokens": nnx.to_pure_dict(tokens)},
+               tokens_def=tokens_def)
+
+
+def lkv_budgets_policy(heads, mlstm_scorer, config: EvictionConfig, **kw) -> LKVBudgetsKVpopMLSTM:
+    """``lkv_kvpop_mlstm``: trained ``LKVHeads`` budgets, a trained KVpop ``MLSTMScorer``'s tokens."""
+    from kvjax.scorers import MLSTMScorer
+
+    if not isinstance(mlstm_scorer, MLSTMScorer):
+        raise TypeError(f"lkv_budgets_policy: expected an MLSTMScorer, got {type(mlstm_scorer).__name__}")
+    scorer_def, scorer = nnx.split(mlstm_scorer)
+    return LKVBudgetsKVpopMLSTM(config, params={"budgets": head_budgets_from(heads, config),
+                                                "scorer": nnx.to_pure_dict(scorer)},
+                                scorer_def=scorer_def, **kw)
