@@ -5,13 +5,16 @@ Tensor naming (all float32, stacked over layers ``L`` and KV heads ``K``; ``X = 
 | scorer | tensors                                                                           |
 |--------|-----------------------------------------------------------------------------------|
 | mlp    | ``mlp.w1 [L,K,X,F]``, ``mlp.b1 [L,K,F]``, ``mlp.w2 [L,K,F]``, ``mlp.b2 [L,K]``, ``decay_raw [L,K]`` |
+| lkv    | ``lkv.w1 [L,K,X,F]``, ``lkv.b1 [L,K,F]``, ``lkv.w2 [L,K,F]`` (LKV-T token MLPs; no decay) |
 | mlstm  | ``mlstm.wq [L,K,X,d]``, ``mlstm.wk [L,K,X,d]``, ``mlstm.wv [L,K,X,e]``, ``mlstm.wi [L,K,X]``, ``mlstm.wf [L,K,X]``, ``mlstm.bi [L,K]``, ``mlstm.bf [L,K]``, ``mlstm.head_w [L,K,e]``, ``mlstm.head_b [L,K]``, ``decay_raw [L,K]`` |
 
 ``x = [k; v]`` (post-RoPE key, value) of one token and head. MLP: ``r = w2 . act(x W1 + b1) + b2``.
 mLSTM: see :mod:`kvjax.scorers.mlstm` (keys scaled by ``d^-0.5``; readout at ``t + window``).
-Priority ``p_t = r_t + softplus(decay_raw) * t``. ``scorer_config.json`` records the type and
-sizes, ``sinks``, ``window``, ``topk``, the decays ``lambda [L][K]``, LKV per-head budgets
-(``null`` for KVpop), and the base model's name and the SHA-256 of its ``config.json`` fields.
+LKV-T: ``u = w2 . silu(x W1 + b1)``. KVpop priority ``p_t = r_t + softplus(decay_raw) * t``;
+LKV's is ``u_t``. ``scorer_config.json`` records the type and sizes, ``sinks``, ``window``,
+``topk``, ``k_max``, the decays ``lambda [L][K]`` (``null`` for LKV), LKV's per-head budgets
+``b [L][K]`` (``lkv``, and ``mlstm`` scorers under LKV budgets; else ``null``), and the base
+model's name and the SHA-256 of its ``config.json`` fields.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from safetensors.numpy import load_file, save_file
 
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM, from_scorer
+from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM
+from kvjax.lkv import LKVTokenScorer
 from kvjax.scorers import MLPScorer, MLSTMScorer
 
 FORMAT_VERSION = 1
@@ -41,7 +46,7 @@ def config_hash(model_config) -> str:
 
 
 def _policy_from_run(run_dir: Path):
-    """The trained KVpop policy of a ``train.py`` run (``distill_kvpop``), latest checkpoint."""
+    """The trained policy of a ``train.py`` run (``distill_kvpop`` or ``distill_lkv``), latest checkpoint."""
     from kvjax.configio import from_dict
     from kvjax.train.checkpoint import Checkpointer
     from kvjax.train.config import TrainConfig
@@ -53,8 +58,8 @@ def _policy_from_run(run_dir: Path):
     if not cfg_file.exists():
         raise FileNotFoundError(f"{run_dir}: not a train.py run (no config.json)")
     cfg = from_dict(TrainConfig, json.loads(cfg_file.read_text()))
-    if cfg.mode != "distill_kvpop":
-        raise ValueError(f"{run_dir}: mode {cfg.mode!r} trains no KVpop scorers")
+    if cfg.mode not in ("distill_kvpop", "distill_lkv"):
+        raise ValueError(f"{run_dir}: mode {cfg.mode!r} trains no scorers")
     task = make_task(cfg, abstract=True)
     opt, _ = make_optimizer(cfg.optim, task.params, cfg.total_steps, [p.steps for p in cfg.all_phases()])
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -68,37 +73,51 @@ def _policy_from_run(run_dir: Path):
     state, _ = ckpt.restore(step, abstract, meta_for(cfg))
     ckpt.close()
     student = nnx.merge(task.graphdef, state["params"])
+    name = cfg.model.hf_path or cfg.model.preset
+    if cfg.mode == "distill_lkv":
+        from kvjax.eviction.lkv_policies import lkv_policy
+        from kvjax.train.distill_lkv import lkv_eviction_config
+
+        policy = lkv_policy(student.lkv.heads, student.lkv.tokens, lkv_eviction_config(cfg))
+        return policy, task.model(state["params"]).config, name
     ev = EvictionConfig(cfg.eviction.sinks, cfg.eviction.window, cfg.eviction.topk)
-    return from_scorer(student.scorers, ev), student.backbone.config, cfg.model.hf_path or cfg.model.preset
+    return from_scorer(student.scorers, ev), student.backbone.config, name
 
 
 def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None, base_config=None) -> Path:
     """Write ``scorers.safetensors`` and ``scorer_config.json`` to ``out_dir`` (atomically).
 
-    ``run_or_policy``: a ``train.py`` run folder of mode ``distill_kvpop``, or a KVpop policy
-    (``kvjax.eviction.learned.from_scorer(...)``) with ``base_config`` the model's ``ModelConfig``.
+    ``run_or_policy``: a ``train.py`` run folder of mode ``distill_kvpop`` or ``distill_lkv``, or a
+    learned policy (``kvpop_mlp``, ``kvpop_mlstm``, ``lkv``, ``lkv_kvpop_mlstm``) with
+    ``base_config`` the model's ``ModelConfig``.
     """
     if isinstance(run_or_policy, (str, os.PathLike)):
         policy, base_config, name = _policy_from_run(Path(run_or_policy))
         base_model_name = base_model_name or name
     else:
         policy = run_or_policy
-    if not isinstance(policy, (KVpopMLP, KVpopMLSTM)):
-        raise TypeError(f"export_scorers: expected a KVpop policy or a run folder, got {type(policy).__name__}")
-    scorer = policy.scorer(policy.params)
-    kind = "mlp" if isinstance(scorer, MLPScorer) else "mlstm"
+    if not isinstance(policy, (KVpopMLP, KVpopMLSTM, LKV)):
+        raise TypeError(f"export_scorers: expected a learned policy or a run folder, got {type(policy).__name__}")
+    if isinstance(policy, LKV):
+        scorer, kind = nnx.merge(policy.tokens_def, policy.params["tokens"]), "lkv"
+    else:
+        scorer = policy.scorer(policy.params)
+        kind = "mlp" if isinstance(scorer, MLPScorer) else "mlstm"
     flat = {".".join(str(p) for p in path): np.asarray(jax.device_get(v.get_value()), np.float32)
             for path, v in nnx.to_flat_state(nnx.state(scorer))}
     tensors = {(k if k == "decay_raw" else f"{kind}.{k}"): v for k, v in flat.items()}
-    L, K = tensors["decay_raw"].shape
+    L, K, X = tensors[f"{kind}.{'wq' if kind == 'mlstm' else 'w1'}"].shape[:3]
     sizes = ({"hidden": int(tensors["mlp.w1"].shape[-1]), "activation": scorer.activation} if kind == "mlp" else
+             {"hidden": int(tensors["lkv.w1"].shape[-1])} if kind == "lkv" else
              {"qk_dim": int(scorer.qk_dim), "v_dim": int(scorer.v_dim), "chunk": policy.chunk})
+    budgets = policy.params["budgets"] if isinstance(policy, (LKV, LKVBudgetsKVpopMLSTM)) else None
     ev = policy.config
     meta = {
         "format_version": FORMAT_VERSION, "scorer": kind, "num_layers": int(L), "kv_heads": int(K),
-        "head_dim": int(tensors[f"{kind}.{'w1' if kind == 'mlp' else 'wq'}"].shape[2] // 2), **sizes,
-        "sinks": ev.sinks, "window": ev.window, "topk": ev.topk,
-        "decays": np.log1p(np.exp(tensors["decay_raw"])).tolist(), "lkv_budgets": None,
+        "head_dim": int(X // 2), **sizes, "sinks": ev.sinks, "window": ev.window, "topk": ev.topk,
+        "k_max": ev.k_max,
+        "decays": None if kind == "lkv" else np.log1p(np.exp(tensors["decay_raw"])).tolist(),
+        "lkv_budgets": None if budgets is None else np.asarray(budgets).astype(int).tolist(),
         "base_model": base_model_name, "base_config_sha256": None if base_config is None else config_hash(base_config),
     }
     out = Path(out_dir)
@@ -117,7 +136,7 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
 
 
 def load_scorers(directory):
-    """The KVpop policy stored by :func:`export_scorers`, ready for ``kvjax.generate``."""
+    """The learned policy stored by :func:`export_scorers`, ready for ``kvjax.generate``."""
     d = Path(directory)
     for f in ("scorers.safetensors", "scorer_config.json"):
         if not (d / f).exists():
@@ -130,6 +149,8 @@ def load_scorers(directory):
         make = lambda: MLPScorer(L, K, D, meta["hidden"], activation=meta["activation"], rngs=nnx.Rngs(0))  # noqa: E731
     elif kind == "mlstm":
         make = lambda: MLSTMScorer(L, K, D, meta["qk_dim"], v_dim=meta["v_dim"], rngs=nnx.Rngs(0))  # noqa: E731
+    elif kind == "lkv":
+        make = lambda: LKVTokenScorer(L, K, D, meta["hidden"], rngs=nnx.Rngs(0))  # noqa: E731
     else:
         raise ValueError(f"{d}: unknown scorer type {kind!r}")
     scorer = nnx.eval_shape(make)
@@ -145,6 +166,18 @@ def load_scorers(directory):
                              f"expected {tuple(var.get_value().shape)}")
         var.set_value(jax.numpy.asarray(tensors[name]))
     scorer = nnx.merge(graphdef, nnx.from_flat_state(flat))
-    ev = EvictionConfig(meta["sinks"], meta["window"], meta["topk"])
+    ev = EvictionConfig(meta["sinks"], meta["window"], meta["topk"], k_max=meta.get("k_max"))
+    budgets = meta.get("lkv_budgets")
+    if budgets is not None:
+        budgets = jax.numpy.asarray(budgets, jax.numpy.int32)
+        if budgets.shape != (L, K):
+            raise ValueError(f"{d}: lkv_budgets has shape {budgets.shape}, expected {(L, K)}")
+    if kind == "lkv":
+        tdef, tstate = nnx.split(scorer)
+        return LKV(ev, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tstate)}, tokens_def=tdef)
     kw = {"chunk": meta["chunk"]} if kind == "mlstm" else {}
-    return from_scorer(scorer, ev, **kw)
+    policy = from_scorer(scorer, ev, **kw)
+    if budgets is not None:
+        policy = LKVBudgetsKVpopMLSTM(ev, params={"budgets": budgets, "scorer": policy.params},
+                                      scorer_def=policy.scorer_def, **kw)
+    return policy

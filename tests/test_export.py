@@ -95,3 +95,31 @@ def test_export_from_a_distill_run(tmp_path):
     assert gen.shape == (1, 24)
     with pytest.raises(FileNotFoundError, match="scorers.safetensors: missing"):
         load_scorers(tmp_path)
+
+
+def test_lkv_round_trip_budgets_and_pytorch_reference(tmp_path):
+    from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM, lkv_budgets_policy, lkv_policy
+    from kvjax.lkv import LKVHeads, LKVTokenScorer
+
+    heads = LKVHeads(L, K, 8, 16, rngs=nnx.Rngs(0))
+    heads.w2.set_value(jnp.asarray(np.random.RandomState(4).randn(16).astype(np.float32)))
+    ev = EvictionConfig(sinks=1, window=W, topk=6, k_max=10)
+    policy = lkv_policy(heads, LKVTokenScorer(L, K, D, 16, rngs=nnx.Rngs(5)), ev)
+    back = load_scorers(export_scorers(policy, tmp_path / "lkv"))
+    assert isinstance(back, LKV) and back.config == ev
+    np.testing.assert_array_equal(np.asarray(back.params["budgets"]), np.asarray(policy.params["budgets"]))
+    rs = np.random.RandomState(1)
+    k = jnp.asarray(rs.randn(1, 30, K, D).astype(np.float32))
+    v = jnp.asarray(rs.randn(1, 30, K, D).astype(np.float32))
+    tensors = load_file(tmp_path / "lkv" / "scorers.safetensors")
+    x = torch.cat([torch.tensor(np.asarray(k[0])), torch.tensor(np.asarray(v[0]))], -1)
+    for layer in range(L):
+        u = np.asarray(back.priority(back.params, layer, k, v, jnp.arange(30)[None]))[0]
+        h = torch.nn.functional.silu(torch.einsum("skx,kxf->skf", x, tensors["lkv.w1"][layer]) + tensors["lkv.b1"][layer])
+        np.testing.assert_allclose(u, torch.einsum("skf,kf->ks", h, tensors["lkv.w2"][layer]).numpy(), atol=1e-5)
+    combo = lkv_budgets_policy(heads, MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3)), ev)
+    back = load_scorers(export_scorers(combo, tmp_path / "combo"))
+    assert isinstance(back, LKVBudgetsKVpopMLSTM)
+    np.testing.assert_array_equal(np.asarray(back.params["budgets"]), np.asarray(combo.params["budgets"]))
+    meta = json.loads((tmp_path / "combo" / "scorer_config.json").read_text())
+    assert meta["scorer"] == "mlstm" and meta["k_max"] == 10 and len(meta["lkv_budgets"]) == L

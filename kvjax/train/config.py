@@ -117,11 +117,12 @@ class LogSection:
 
 @dataclass(frozen=True)
 class EvictionSection:
-    """Budget and scorer of the sparse student (``distill_kvpop``)."""
+    """Budget and scorers of the sparse student (``distill_kvpop``, ``distill_lkv``)."""
 
     sinks: int = 4
     window: int = 64
-    topk: int = 64
+    topk: int = 64                   # long-range slots per head (LKV: the average over heads)
+    k_max: int | None = None         # LKV: most long-range slots one head may fill (default 2 * topk)
     scorer: Literal["mlp", "mlstm"] = "mlp"
     scorer_hidden: int = 64          # MLP width
     mlstm_qk_dim: int = 16           # mLSTM key/query width
@@ -131,6 +132,23 @@ class EvictionSection:
     pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
     kd_weight: float = 1.0
     kd_topk: int = 0                 # 0: KL over the full vocabulary
+    lkv_embed_dim: int = 16          # LKV-H head embeddings
+    lkv_head_hidden: int = 64        # LKV-H shared MLP width
+    lkv_token_hidden: int = 64       # LKV-T per-head MLP width
+    hidden_weight: float = 1.0       # LKV: beta of the per-layer hidden-state MSE
+    gumbel_start: float = 1.0        # LKV-T Gumbel temperature, annealed geometrically ...
+    gumbel_end: float = 0.05         # ... to this value ...
+    gumbel_steps: int = 0            # ... over this many steps (0: the whole run)
+
+    def __post_init__(self):
+        if self.k_max is not None and self.k_max <= self.topk:
+            raise ValueError(f"eviction.k_max ({self.k_max}) must be > eviction.topk ({self.topk})")
+        if not (self.gumbel_start > 0 and self.gumbel_end > 0):
+            raise ValueError("eviction.gumbel_start and eviction.gumbel_end must be > 0")
+
+    @property
+    def lkv_k_max(self) -> int:
+        return 2 * self.topk if self.k_max is None else self.k_max
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """What each training mode optimises: its trainable parameters and its loss.
 
-``pretrain``: plain next-token cross entropy (the testbed teacher).
+``pretrain``: plain next-token cross entropy (the testbed teacher); ``distill_kvpop`` and
+``distill_lkv`` live in their own modules.
 """
 
 from __future__ import annotations
@@ -57,7 +58,14 @@ def _distill_kvpop(cfg, *, abstract=False):
     return distill_kvpop_task(cfg, abstract=abstract)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"pretrain": pretrain_task, "distill_kvpop": _distill_kvpop}
+def _distill_lkv(cfg, *, abstract=False):
+    from kvjax.train.distill_lkv import distill_lkv_task
+
+    return distill_lkv_task(cfg, abstract=abstract)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"pretrain": pretrain_task, "distill_kvpop": _distill_kvpop,
+                                         "distill_lkv": _distill_lkv}
 
 
 def make_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
