@@ -23,9 +23,14 @@ def main(argv=None) -> int:
 
         print(dry_run(cfg))
         return 0
+    from kvjax.train.checkpoint import CheckpointError
     from kvjax.train.loop import train
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    except CheckpointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 1
     m = summary.get("last_metrics", {})
     print(f"done: {summary.get('steps', summary.get('stopped_at'))} steps, final loss {m.get('loss', float('nan')):.4f}, "
           f"results in {cfg.out_dir}")

@@ -184,3 +184,33 @@ def test_real_recipes_dry_run_without_hardware(recipe):
     assert cfg.eviction.sinks + cfg.eviction.window + cfg.eviction.topk == 4096
     per_dev = float(text.split("= ")[-1].split(" GiB")[0])
     assert 0.5 < per_dev < 16
+
+
+def _limit_file_size(limit_bytes):
+    def apply():  # in the child: writes past the limit fail with EFBIG instead of killing it
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return apply
+
+
+def test_full_disk_during_checkpoint_save_keeps_the_previous_one(tmp_path):
+    """A save that runs out of space fails with an error naming the checkpoint and the cause;
+    the previous checkpoint still resumes, and the resumed run equals an uninterrupted one."""
+    from kvjax.configio import to_dict
+
+    cfg = tiny_config(tmp_path / "run", steps=20, **{"checkpoint.every": 10})
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(to_dict(cfg)))
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", str(path)]
+    assert train(cfg, stop_after=10, quiet=True)["stopped_at"] == 10
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          preexec_fn=_limit_file_size(16 * 1024))
+    assert full.returncode != 0
+    assert "saving checkpoint step 20" in full.stderr and "no space left or file-size limit" in full.stderr, \
+        full.stderr[-3000:]
+    assert "earlier checkpoints are untouched" in full.stderr
+    resumed = train(cfg, quiet=True)          # the step-10 checkpoint is intact: resume to 20
+    straight = train(tiny_config(tmp_path / "straight", steps=20, **{"checkpoint.every": 10}), quiet=True)
+    for a, b in zip(leaves(straight["params_tree"]), leaves(resumed["params_tree"])):
+        np.testing.assert_array_equal(a, b)

@@ -14,6 +14,20 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, or read back into this run."""
 
 
+_DISK_FULL = ("No space left", "ENOSPC", "File too large", "EFBIG", "Disk quota exceeded", "EDQUOT")
+
+
+def _cause(e: Exception) -> str:
+    """The error text, with the likely cause named when the disk (or a quota/limit) is full."""
+    text = f"{type(e).__name__}: {e}"
+    chain, seen = e, 0
+    while chain is not None and seen < 10:
+        if getattr(chain, "errno", None) in (28, 27, 122) or any(m in str(chain) for m in _DISK_FULL):
+            return f"no space left or file-size limit reached on the checkpoint disk ({text})"
+        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+    return text
+
+
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int, *, async_save: bool = True):
         self.dir = Path(directory).absolute()
@@ -22,24 +36,27 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                  create=True),
             item_names=("state", "meta"))
+        self._pending: int | None = None   # step of an asynchronous save not yet finished
 
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
     def save(self, step: int, state, meta: dict) -> None:
+        self._pending = step
         try:
             self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)
         except Exception as e:  # noqa: BLE001 - reported with the path, previous checkpoints stay
-            raise CheckpointError(f"saving checkpoint step {step} under {self.dir} failed: {e}; "
+            raise CheckpointError(f"saving checkpoint step {step} under {self.dir} failed: {_cause(e)}; "
                                   f"earlier checkpoints are untouched") from e
 
     def wait(self) -> None:
         try:
             self.mngr.wait_until_finished()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"finishing an asynchronous checkpoint under {self.dir} failed: {e}; "
+            raise CheckpointError(f"saving checkpoint step {self._pending} under {self.dir} failed: {_cause(e)}; "
                                   f"earlier checkpoints are untouched") from e
+        self._pending = None
 
     def restore(self, step: int, abstract_state, expect_meta: dict) -> tuple[object, dict]:
         """Restore ``step`` into the structure/shapes/shardings of ``abstract_state``."""
