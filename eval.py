@@ -33,7 +33,6 @@ def run_quality(cfg) -> dict:
     from kvjax.data import TestbedConfig
     from kvjax.evaluation.budgets import budget_for
     from kvjax.evaluation.quality import teacher_forced_quality
-    from kvjax.train.testbed_eval import answer_accuracy
 
     model = kvjax.load_hf(cfg.model)
     tb = TestbedConfig(**cfg.testbed)

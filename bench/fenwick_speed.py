@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import jax
 import numpy as np
+
+from timing import median_seconds
 
 from kvjax.eviction.fenwick import (
     cutoffs_from_ranks,
@@ -26,17 +27,6 @@ from kvjax.eviction.fenwick import (
 )
 
 HEADS = 8
-
-
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after one warm-up (compile) run."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -42,6 +42,9 @@ class TestbedConfig:
     ops            operators used by scratch, derived and answer lines.
     scratch_prob   chance that a free line slot is scratch work (else a new fact).
     scratch_steps  (lo, hi) operations per scratch line.
+    recall_prob    chance that a free line slot (once facts exist) is a recall line
+                   `use NAME = v ;` of a uniformly chosen fact: a pure lookup, no
+                   arithmetic (curriculum: forms the copy circuit; 0 in the task).
     def_prob       chance that a new fact is a literal definition (else derived).
     keep_prob      chance that a new fact is marked `keep` (else `let`).
     keep_reuse, let_reuse   chance that a new keep/let fact is referenced later.
@@ -63,6 +66,7 @@ class TestbedConfig:
     ops: tuple[str, ...] = ("+", "-")
     scratch_prob: float = 0.5
     scratch_steps: tuple[int, int] = (2, 6)
+    recall_prob: float = 0.0
     def_prob: float = 0.4
     keep_prob: float = 0.5
     keep_reuse: float = 0.8
@@ -82,7 +86,7 @@ class TestbedConfig:
             value = getattr(self, name)
             _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, "must be an int")
         _check(0 < self.far_frac < 1, "far_frac", "must be in (0, 1)")
-        for name in ("scratch_prob", "def_prob", "keep_prob", "keep_reuse", "let_reuse", "reuse_again",
+        for name in ("scratch_prob", "recall_prob", "def_prob", "keep_prob", "keep_reuse", "let_reuse", "reuse_again",
                      "bind_prob", "far_prob"):
             _check(0.0 <= getattr(self, name) <= 1.0, name, "must be a probability in [0, 1]")
         _check(2 <= self.num_values <= MAX_VALUES, "num_values", f"must be in 2..{MAX_VALUES}")

@@ -225,6 +225,12 @@ class _Builder:
         if bind:
             self.add_fact(name, kind, *result)
 
+    def recall(self, name: int) -> None:
+        """`use NAME = v ;`: a lookup on its own (curriculum lines, ``recall_prob``)."""
+        self.start_line("use")
+        self.lookup(name, reschedule=False)
+        self.words(";")
+
     def scratch(self, steps: int) -> None:
         """`work 4 + 5 -> 9 - 3 -> 6 ;`: each result is used only by the next step."""
         self.start_line("work")
@@ -314,6 +320,8 @@ def generate_problem(cfg: TestbedConfig, split: str, index: int) -> Problem:
         refs = b.pop_due(2)
         if refs:
             b.derived(refs, bind=bool(b.free_names) and rng.random() < cfg.bind_prob)
+        elif b.facts and cfg.recall_prob > 0 and rng.random() < cfg.recall_prob:
+            b.recall(list(b.facts)[int(rng.integers(len(b.facts)))])
         elif not b.free_names or rng.random() < cfg.scratch_prob:
             b.scratch(_steps(rng, cfg, cfg.scratch_steps[1]))
         elif rng.random() < cfg.def_prob:

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.eviction.attention import causal_probs, keep_mask_heads, masked_attention, slot_attention
+from kvjax.eviction.attention import causal_probs, slot_attention
+from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.state import (LayerState, all_slots, exiting, init_layer, insert_long_range, prefill_layer,
                                   set_scores, slot_positions, write_current)
@@ -98,11 +99,16 @@ class BoundedPolicy:
                        for i in range(cfg.num_layers))
         return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32), self.init_aux(params, cfg, batch))
 
-    def sparse_mask(self, prio_BKS, budget_BK):
-        """Keep-rule mask ``[B, K, S, S]`` from static priorities, each head with its own
-        long-range budget (the decode state's, so prefill and decode keep the same set)."""
+    def sparse_attention(self, q_BSHD, k_BSKD, v_BSKD, prio_BKS, budget_BK):
+        """Keep-rule attention from static priorities, each head with its own long-range budget
+        (the decode state's, so prefill and decode keep the same set), by the configured kernel."""
+        import pallas_kernels
+
         ev = self.effective()
-        return keep_mask_heads(prio_BKS, sinks=ev.sinks, window=ev.window, topk=budget_BK)
+        rank = token_ranks(prio_BKS)
+        cut = cutoffs_from_ranks(rank, sinks=ev.sinks, window=ev.window, topk=budget_BK)
+        return pallas_kernels.sparse_attention(q_BSHD, k_BSKD, v_BSKD, rank, cut, sinks=ev.sinks, window=ev.window,
+                                               backend=ev.kernel, interpret=ev.kernel_interpret)
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
         if q_BSHD.shape[1] > 1:
@@ -115,7 +121,7 @@ class BoundedPolicy:
             aux = cache.aux[layer] if cache.aux else None
             prio, aux = self.prefill_priority(params, layer, k, v, positions, cache.lengths, aux)
             cache = _replace_aux(cache, layer, aux)
-            out, _ = masked_attention(q, k, v, self.sparse_mask(prio, st.budget))
+            out, _ = self.sparse_attention(q, k, v, prio, st.budget)
             score = jnp.zeros_like(prio)
         else:
             out, _ = dense_attention(q, k, v, positions, positions)
@@ -137,9 +143,14 @@ class BoundedPolicy:
         st = write_current(st, k[:, 0], v[:, 0], q_B, ev)
         keys, vals, scores = all_slots(st)
         valid = slot_positions(st, q_B, ev) >= 0
+        if self.static:      # priorities need no attention statistics: the decode kernel
+            import pallas_kernels
+
+            out = pallas_kernels.sparse_decode(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid,
+                                               backend=ev.kernel, interpret=ev.kernel_interpret)
+            return out[:, None], _replace_layer(cache, layer, st)
         out, probs = slot_attention(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid)
-        if not self.static:
-            st = self.refresh(set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev), q_B)
+        st = self.refresh(set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev), q_B)
         return out[:, None], _replace_layer(cache, layer, st)
 
 

@@ -17,6 +17,9 @@ class EvictionConfig:
     seed: for the ``random`` policy.
     obs_window: SnapKV's observation window (queries), also its refresh period in decoding.
     pool: SnapKV's pooling kernel over positions (odd).
+    kernel: backend of the sparse prefill attention and the decode step (``pallas_kernels``):
+      ``"auto"`` (the platform's Pallas kernel, the XLA reference on CPU), ``"xla"``, ``"tpu"``,
+      ``"gpu"``; ``kernel_interpret`` runs a kernel in Pallas interpret mode (tests on CPU).
     """
 
     sinks: int = 4
@@ -26,6 +29,8 @@ class EvictionConfig:
     seed: int = 0
     obs_window: int = 16
     pool: int = 7
+    kernel: str = "auto"
+    kernel_interpret: bool = False
 
     def __post_init__(self):
         for name in ("sinks", "topk", "seed"):
@@ -41,6 +46,8 @@ class EvictionConfig:
             raise ValueError(f"EvictionConfig.topk ({self.topk}) must be <= k_max ({self.k_max})")
         if self.obs_window < 1:
             raise ValueError(f"EvictionConfig.obs_window must be >= 1, got {self.obs_window}")
+        if self.kernel not in ("auto", "xla", "tpu", "gpu"):
+            raise ValueError(f"EvictionConfig.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"EvictionConfig.pool must be a positive odd integer, got {self.pool}")
 

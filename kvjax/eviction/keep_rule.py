@@ -88,11 +88,17 @@ def compact_keep(
     block_q, block_k = validate_size("block_q", block_q, 1), validate_size("block_k", block_k, 1)
     rank_XS = token_ranks(priority_XS)
     cutoff_XS = cutoffs_from_ranks(rank_XS, sinks=sinks, window=window, topk=topk)
+    blocks = block_any_kept(rank_XS, cutoff_XS, sinks=sinks, window=window, block_q=block_q, block_k=block_k)
+    return CompactKeep(rank_XS, cutoff_XS, blocks)
+
+
+def block_any_kept(rank_XS, cutoff_XS, *, sinks: int, window: int, block_q: int, block_k: int) -> jax.Array:
+    """``bool [..., nq, nk]``: query block ``i`` keeps some key of key block ``j`` (the kernels'
+    block-skip map), from ``rank`` and ``cutoff`` ``[..., S]``, without the ``S x S`` mask."""
     S = rank_XS.shape[-1]
-    blocks = _block_any_kept(
-        rank_XS.reshape(-1, S), cutoff_XS.reshape(-1, S), min(sinks, S + 1), min(window, S + 1), block_q, block_k
-    )
-    return CompactKeep(rank_XS, cutoff_XS, blocks.reshape(*rank_XS.shape[:-1], *blocks.shape[1:]))
+    blocks = _block_any_kept(rank_XS.reshape(-1, S), cutoff_XS.reshape(-1, S), min(sinks, S + 1),
+                             min(window, S + 1), block_q, block_k)
+    return blocks.reshape(*rank_XS.shape[:-1], *blocks.shape[1:])
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))

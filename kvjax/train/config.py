@@ -132,6 +132,8 @@ class EvictionSection:
     pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
     kd_weight: float = 1.0
     kd_topk: int = 0                 # 0: KL over the full vocabulary
+    kernel: str = "auto"             # sparse attention + target: auto | xla | tpu | gpu (pallas_kernels)
+    kernel_interpret: bool = False   # run a kernel backend in Pallas interpret mode (CPU tests)
     lkv_embed_dim: int = 16          # LKV-H head embeddings
     lkv_head_hidden: int = 64        # LKV-H shared MLP width
     lkv_token_hidden: int = 64       # LKV-T per-head MLP width
@@ -143,6 +145,8 @@ class EvictionSection:
     def __post_init__(self):
         if self.k_max is not None and self.k_max <= self.topk:
             raise ValueError(f"eviction.k_max ({self.k_max}) must be > eviction.topk ({self.topk})")
+        if self.kernel not in ("auto", "xla", "tpu", "gpu"):
+            raise ValueError(f"eviction.kernel must be auto, xla, tpu or gpu, got {self.kernel!r}")
         if not (self.gumbel_start > 0 and self.gumbel_end > 0):
             raise ValueError("eviction.gumbel_start and eviction.gumbel_end must be > 0")
 

@@ -2,9 +2,10 @@
 weights, attending under the keep rule of its own KVpop scorer).
 
 Per layer of the student's forward: scorer scores ``r_hat`` on ``stop_gradient([k; v])``,
-static priorities ``p_hat = r_hat + lambda t``, the keep-rule mask from them, masked
-attention returning the log-sum-exp, and the future-attention target ``r_tgt`` from a
-transposed pass reusing that LSE (``stop_gradient``). Loss:
+static priorities ``p_hat = r_hat + lambda t``, their ranks and Fenwick cutoffs, the
+keep-rule attention returning the log-sum-exp, and the future-attention target ``r_tgt``
+from a transposed pass reusing that LSE (``stop_gradient``) -- both by the
+``pallas_kernels`` ops, on the backend ``eviction.kernel`` names. Loss:
 
     kd_weight * KL(teacher || student)                       -> backbone only
   + regression_weight * mean_l MSE(r_hat_l, r_tgt_l)          -> scorers only
@@ -19,11 +20,11 @@ import functools
 import jax
 from flax import nnx
 
-from kvjax.eviction.attention import keep_mask_heads, masked_attention
+import pallas_kernels
+from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.losses import boundary_pairwise_loss, kl_distill, regression_loss, topk_kl_distill
 from kvjax.scorers import MLPScorer, MLSTMScorer
 from kvjax.scorers.params import static_priority
-from kvjax.targets import future_attention_target
 from kvjax.train.config import TrainConfig
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
@@ -58,13 +59,16 @@ def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
     """Student logits under its keep rule, and per-layer ``(r_hat, p_hat, r_tgt)``."""
     ev = cfg.eviction
 
+    kernel = dict(backend=ev.kernel, interpret=ev.kernel_interpret)
+
     def backend(layer, q, k, v, positions, acc):
         r_hat, p_hat = scorer_outputs(student.scorers, layer, k, v, positions, ev.window, ev.mlstm_chunk)
-        keep = keep_mask_heads(jax.lax.stop_gradient(p_hat), sinks=ev.sinks, window=ev.window, topk=ev.topk)
-        out, lse = masked_attention(q, k, v, keep)
-        tgt = future_attention_target(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), window=ev.window,
-                                      lse=jax.lax.stop_gradient(lse))
-        return out, acc + ((r_hat, p_hat, jax.lax.stop_gradient(tgt)),)
+        rank = token_ranks(jax.lax.stop_gradient(p_hat))
+        cut = cutoffs_from_ranks(rank, sinks=ev.sinks, window=ev.window, topk=ev.topk)
+        out, lse = pallas_kernels.sparse_attention(q, k, v, rank, cut, sinks=ev.sinks, window=ev.window, **kernel)
+        sg = jax.lax.stop_gradient
+        tgt = pallas_kernels.transposed_target(sg(q), sg(k), sg(lse), window=ev.window, **kernel)
+        return out, acc + ((r_hat, p_hat, sg(tgt)),)
 
     h, per_layer = student.backbone(tokens_BS, None, backend, ())
     return student.backbone.logits(h), per_layer

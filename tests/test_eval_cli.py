@@ -1,0 +1,34 @@
+"""eval.py quality mode end to end on a tiny random model: the table's rows, files and
+the relative-answer column."""
+
+import json
+import os
+import subprocess
+import sys
+
+from flax import nnx
+
+import kvjax
+from kvjax.data import save_tokenizer
+from train_helpers import TINY_MODEL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quality_mode_writes_the_table(tmp_path):
+    model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(0), init_std=0.3,
+                          embed_init_std=1.0)
+    kvjax.save_hf(model, tmp_path / "m")
+    save_tokenizer(tmp_path / "m")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--set", f"model={tmp_path / 'm'}",
+                          "--set", f"out_dir={tmp_path / 'out'}", "--set", "num_problems=4", "--set", "batch_size=4",
+                          "--set", "testbed={length: 128, num_names: 16}",
+                          "--set", "policies=[dense,streaming_llm,oracle]"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["dense", "streaming_llm", "oracle"]
+    dense = rows[0]
+    assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6 and rows[1]["budget"] == 32
+    assert all(0.0 <= r["lookup_far"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
+    assert "| 0.75 | streaming_llm | 32 |" in (tmp_path / "out" / "results.md").read_text()
