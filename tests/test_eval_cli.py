@@ -31,4 +31,4 @@ def test_quality_mode_writes_the_table(tmp_path):
     dense = rows[0]
     assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6 and rows[1]["budget"] == 32
     assert all(0.0 <= r["lookup_far"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
-    assert "| 0.75 | streaming_llm | 32 |" in (tmp_path / "out" / "results.md").read_text()
+    assert "| 0.750 | streaming_llm | 32 |" in (tmp_path / "out" / "results.md").read_text()
