@@ -5,6 +5,13 @@ Mode ``quality``: for each compression ratio and policy, teacher-forced accuracy
 category (lookup near / far, compute) and KL to the dense model on held-out testbed
 problems, plus answer accuracy under free generation. Writes ``results.json`` and
 ``results.md`` under ``out_dir``.
+
+Mode ``bench`` (``--set mode=bench``): jitted decode latency, tokens/s, KV-cache bytes and
+peak memory at each of ``bench_lengths`` and ``bench_batches`` for kvjax's dense cache,
+KVpop's bounded cache (``bench_budget``) and ``transformers`` with the same weights, plus
+the measured copy bandwidth; writes ``results.json``, ``results.md`` and
+``decode_bench.png``. On a GPU/TPU: ``--set bench_preset=qwen3-8b
+--set bench_lengths=[4096,16384,65536,131072] --set bench_transformers=false``.
 """
 
 from __future__ import annotations
@@ -59,6 +66,30 @@ def run_quality(cfg) -> dict:
     return {"rows": rows}
 
 
+def run_bench(cfg) -> dict:
+    import jax
+
+    from kvjax.evaluation import decode_bench as db
+
+    out = Path(cfg.out_dir)
+    model_dir = db.make_bench_model(out / ("bench-model" if cfg.bench_preset is None else
+                                           f"bench-model-{cfg.bench_preset}"), cfg.bench_preset)
+    bandwidth = db.copy_bandwidth()
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    impls = ["kvjax-dense", "kvjax-kvpop"] + (["transformers-dense"] if cfg.bench_transformers else [])
+    rows = []
+    for batch in cfg.bench_batches:
+        for length in cfg.bench_lengths:
+            for impl in impls:
+                spec = {"impl": impl, "model": str(model_dir), "length": length, "batch": batch,
+                        "steps": cfg.bench_steps, "repeats": cfg.bench_repeats, "budget": cfg.bench_budget}
+                rows.append(db.with_bandwidth(db.run_isolated(spec), bandwidth))
+                print(db.markdown(rows[-1:]).splitlines()[-1], flush=True)
+    db.plot(rows, out / "decode_bench.png")
+    return {"rows": rows, "copy_bandwidth_bytes_per_s": bandwidth, "device": jax.devices()[0].device_kind,
+            "markdown": db.markdown(rows), "plot": str(out / "decode_bench.png")}
+
+
 def main(argv=None) -> int:
     from kvjax.configio import cli_config, to_dict
     from kvjax.evaluation.config import EvalConfig
@@ -67,10 +98,10 @@ def main(argv=None) -> int:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    result = run_quality(cfg)
+    result = run_quality(cfg) if cfg.mode == "quality" else run_bench(cfg)
     result.update(config=to_dict(cfg), wall_s=time.time() - t0, command=" ".join(["python", "eval.py", *sys.argv[1:]]))
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(_markdown(result["rows"]))
+    (out / "results.md").write_text(_markdown(result["rows"]) if cfg.mode == "quality" else result["markdown"])
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({result['wall_s']:.0f} s)")
     return 0
 

@@ -32,3 +32,20 @@ def test_quality_mode_writes_the_table(tmp_path):
     assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6 and rows[1]["budget"] == 32
     assert all(0.0 <= r["lookup_far"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
     assert "| 0.750 | streaming_llm | 32 |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_bench_mode_small(tmp_path):
+    """eval.py bench at two short lengths: every implementation measured, the bounded cache's
+    bytes fixed while the dense cache grows, the table and plot written."""
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--set", "mode=bench",
+                          "--set", f"out_dir={tmp_path}", "--set", "bench_lengths=[256,1024]",
+                          "--set", "bench_batches=[1]", "--set", "bench_budget=128", "--set", "bench_steps=4",
+                          "--set", "bench_repeats=1"], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["impl"], r["length"]): r for r in out["rows"]}
+    assert all("latency_s" in r for r in rows.values()), out["rows"]
+    assert rows[("kvjax-kvpop", 256)]["cache_bytes"] == rows[("kvjax-kvpop", 1024)]["cache_bytes"]
+    assert rows[("kvjax-dense", 1024)]["cache_bytes"] > 3 * rows[("kvjax-dense", 256)]["cache_bytes"]
+    assert rows[("transformers-dense", 1024)]["peak_rss_bytes"] > 0 and (tmp_path / "decode_bench.png").exists()
+    assert "| kvjax-kvpop | 1 | 1024 |" in (tmp_path / "results.md").read_text()
