@@ -14,14 +14,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels.tiles import (NEG, backward_tile, decode_kernel, finish_target, grouped_keep, logits,
                                   online_softmax_step, transposed_dot)
 
 
 def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
+    """``pallas_call`` on the Triton backend (its compiler params select it over Mosaic GPU)."""
     return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=interpret)
+                          interpret=interpret, compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2))
 
 
 def _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, *, sinks, window, bq, bk, G):

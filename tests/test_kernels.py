@@ -179,3 +179,30 @@ def test_integration_config_key_forces_a_kernel(hf_dir, tmp_path):
     np.testing.assert_allclose(float(lg), float(lx), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gx)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+@pytest.mark.parametrize("backend,platform,marker", [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "triton")])
+def test_kernels_lower_for_their_platform(backend, platform, marker):
+    """Without the hardware: forward, backward, target and decode lower through Mosaic TPU /
+    Triton (their tiling and dtype rules are checked by the real lowering, not interpret mode),
+    bf16, head dim 128, a length that is not a multiple of the block."""
+    B, S, H, K, D = 1, 300, 8, 2, 128
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    k = jnp.zeros((B, S, K, D), jnp.bfloat16)
+    ck = compact_keep(jnp.asarray(np.random.RandomState(0).randn(B, K, S).astype(np.float32)), sinks=4, window=32,
+                      topk=100)
+
+    def fwd(q, k, v):
+        return pk.sparse_attention(q, k, v, ck.rank, ck.cutoff, sinks=4, window=32, backend=backend)
+
+    def grad(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(fwd(*a)[0].astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+    slots = jnp.zeros((B, K, 1024, D), jnp.bfloat16)
+    cases = [(fwd, (q, k, k)), (grad, (q, k, k)),
+             (lambda q, k: pk.transposed_target(q, k, jnp.zeros((B, S, H)), window=32, backend=backend), (q, k)),
+             (lambda q, k, v, m: pk.sparse_decode(q, k, v, m, backend=backend), (q[:, 0], slots, slots,
+                                                                                  jnp.ones((B, K, 1024), bool)))]
+    for fn, args in cases:
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert marker in text.lower()
