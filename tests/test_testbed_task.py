@@ -225,3 +225,21 @@ def test_print_statistics():
         stats = dataset_statistics(TestbedConfig(length=length), "valid", 32)
         print(json.dumps(stats))
     assert set(stats["category_fraction"]) == set(CATEGORIES)
+
+
+def test_recall_lines_are_pure_lookups():
+    """recall_prob (curriculum): `use NAME = v ;` lines whose value copies the fact's latest value."""
+    cfg = TestbedConfig(length=160, num_names=16, num_defs=8, recall_prob=1.0, keep_reuse=0.0, let_reuse=0.0,
+                        scratch_prob=0.0)
+    lookups = 0
+    for i in range(20):
+        p = generate_problem(cfg, "train", i)
+        t = p.tokens
+        for pos in np.flatnonzero(t[:-4] == tok("use")):
+            assert t[pos + 2] == tok("=") and t[pos + 4] == tok(";")
+            v = pos + 3
+            assert p.category[v] in (LOOKUP_NEAR, LOOKUP_FAR) and t[p.deps[v, 0]] == t[v]
+            lookups += 1
+    assert lookups >= 100
+    with pytest.raises(ValueError, match="recall_prob"):
+        TestbedConfig(recall_prob=1.5)
