@@ -186,12 +186,13 @@ def test_real_recipes_dry_run_without_hardware(recipe):
     assert 0.5 < per_dev < 16
 
 
-def _limit_file_size(limit_bytes):
-    def apply():  # in the child: writes past the limit fail with EFBIG instead of killing it
-        import resource
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
-    return apply
+def _with_file_size_limit(limit_bytes, script, args):
+    """A command running ``script`` with writes past ``limit_bytes`` failing (EFBIG, SIGXFSZ
+    ignored) -- the limit is set in the child itself, not in a fork of this threaded process."""
+    code = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes})); "
+            f"sys.argv = [{script!r}] + sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')")
+    return [sys.executable, "-c", code, *args]
 
 
 def test_full_disk_during_checkpoint_save_keeps_the_previous_one(tmp_path):
@@ -202,10 +203,9 @@ def test_full_disk_during_checkpoint_save_keeps_the_previous_one(tmp_path):
     cfg = tiny_config(tmp_path / "run", steps=20, **{"checkpoint.every": 10})
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(to_dict(cfg)))
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", str(path)]
     assert train(cfg, stop_after=10, quiet=True)["stopped_at"] == 10
-    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          preexec_fn=_limit_file_size(16 * 1024))
+    cmd = _with_file_size_limit(16 * 1024, os.path.join(ROOT, "train.py"), ["--config", str(path)])
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert full.returncode != 0
     assert "saving checkpoint step 20" in full.stderr and "no space left or file-size limit" in full.stderr, \
         full.stderr[-3000:]
