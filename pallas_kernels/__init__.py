@@ -79,16 +79,25 @@ class _AttnCfg(NamedTuple):
 
 
 # ---- layouts ------------------------------------------------------------------------------
+def _q_to_kernel(x_BSH, Sp: int, K: int):
+    """Query-side ``[B, S, H, ...]`` (q, do, lse) -> ``[B*K, G, Sp, ...]``, padded to ``Sp``."""
+    B, _, H = x_BSH.shape[:3]
+    rest = x_BSH.shape[3:]
+    x = _pad_to(x_BSH, 1, Sp).reshape(B, Sp, K, H // K, *rest)
+    return jnp.moveaxis(x, 1, 3).reshape(B * K, H // K, Sp, *rest)
+
+
+def _kv_to_kernel(x_BSKD, Sp: int):
+    """``[B, S, K, D]`` -> ``[B*K, Sp, D]``, padded to ``Sp``."""
+    B, _, K, D = x_BSKD.shape
+    return _pad_to(x_BSKD, 1, Sp).transpose(0, 2, 1, 3).reshape(B * K, Sp, D)
+
+
 def _to_kernel(q_BSHD, k_BSKD, v_BSKD, rank_BKS, cut_BKS, Sp):
-    B, S, H, D = q_BSHD.shape
-    K = k_BSKD.shape[2]
-    G = H // K
-    q = _pad_to(q_BSHD, 1, Sp).reshape(B, Sp, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B * K, G, Sp, D)
-    k = _pad_to(k_BSKD, 1, Sp).transpose(0, 2, 1, 3).reshape(B * K, Sp, D)
-    v = _pad_to(v_BSKD, 1, Sp).transpose(0, 2, 1, 3).reshape(B * K, Sp, D)
+    B, K = rank_BKS.shape[:2]
     rank = _pad_to(rank_BKS.astype(jnp.int32), 2, Sp, Sp).reshape(B * K, 1, Sp)
     cut = _pad_to(cut_BKS.astype(jnp.int32), 2, Sp, -1).reshape(B * K, Sp, 1)
-    return q, k, v, rank, cut
+    return _q_to_kernel(q_BSHD, Sp, K), _kv_to_kernel(k_BSKD, Sp), _kv_to_kernel(v_BSKD, Sp), rank, cut
 
 
 def _q_from_kernel(x_RGSD, B, S, K):
@@ -132,9 +141,8 @@ def _sparse_attention_fwd(cfg, q, k, v, rank, cut):
 def _sparse_attention_bwd(cfg, residuals, cotangents):
     (kq, kk, kv, kr, kc, blocks, o, lse, (B, S, K)), rank, cut = residuals
     d_out, d_lse = cotangents
-    Sp, G = kq.shape[2], kq.shape[1]
-    do = _pad_to(d_out, 1, Sp).reshape(B, Sp, K, G, -1).transpose(0, 2, 3, 1, 4).reshape(B * K, G, Sp, -1)
-    dl = _pad_to(d_lse, 1, Sp).reshape(B, Sp, K, G).transpose(0, 2, 3, 1).reshape(B * K, G, Sp)
+    Sp = kq.shape[2]
+    do, dl = _q_to_kernel(d_out, Sp, K), _q_to_kernel(d_lse, Sp, K)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1) - dl.astype(jnp.float32)
     dq, dk, dv = _module(cfg.backend).sparse_attention_bwd(
         kq, kk, kv, kr, kc, blocks.reshape(B * K, *blocks.shape[2:]), do.astype(kq.dtype), lse, delta,
@@ -209,10 +217,7 @@ def transposed_target(q_BSHD, k_BSKD, lse_BSH, *, window: int, aggregate: str = 
     _check_blocks(be, block_q, block_k, D)
     step = int(np.lcm(block_q, block_k))
     Sp = -(-S // step) * step
-    G = H // K
-    q = _pad_to(q_BSHD, 1, Sp).reshape(B, Sp, K, G, D).transpose(0, 2, 3, 1, 4).reshape(B * K, G, Sp, D)
-    k = _pad_to(k_BSKD, 1, Sp).transpose(0, 2, 1, 3).reshape(B * K, Sp, D)
-    lse = _pad_to(lse_BSH.astype(jnp.float32), 1, Sp).reshape(B, Sp, K, G).transpose(0, 2, 3, 1).reshape(B * K, G, Sp)
+    q, k, lse = _q_to_kernel(q_BSHD, Sp, K), _kv_to_kernel(k_BSKD, Sp), _q_to_kernel(lse_BSH.astype(jnp.float32), Sp, K)
     out = _module(be).transposed_target(q, k, lse, S=S, window=int(window), aggregate=aggregate, eps=float(eps),
                                         bq=block_q, bk=block_k, interpret=interpret)
     return out.reshape(B, K, Sp)[:, :, :S]

@@ -28,11 +28,10 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, interpret):
 
 def _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, *, sinks, window, bq, bk, G):
     """Keep mask ``[G*bq, bk]`` and loaded key tile of query block ``i`` x key block ``j``."""
-    D = q_ref.shape[-1]
     k = k_ref[pl.ds(j * bk, bk), :]
     keep = grouped_keep(i * bq, j * bk, rank_ref[:, pl.ds(j * bk, bk)].reshape(1, bk), cut_ref[...].reshape(bq, 1),
                         sinks=sinks, window=window, Q=bq, T=bk, G=G)
-    return keep, k, D
+    return keep, k
 
 
 def _fwd_kernel(kept_ref, q_ref, k_ref, v_ref, rank_ref, cut_ref, o_ref, lse_ref, cnt_ref, *, sinks, window, nk,
@@ -45,7 +44,7 @@ def _fwd_kernel(kept_ref, q_ref, k_ref, v_ref, rank_ref, cut_ref, o_ref, lse_ref
     def body(j, carry):
         def compute(c):
             m, l, acc, n = c
-            keep, k, _ = _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, sinks=sinks, window=window, bq=bq, bk=bk, G=G)
+            keep, k = _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, sinks=sinks, window=window, bq=bq, bk=bk, G=G)
             m, l, acc = online_softmax_step(m, l, acc, logits(q, k, scale), keep, v_ref[pl.ds(j * bk, bk), :])
             return m, l, acc, n + 1
         return jax.lax.cond(kept_ref[0, j] != 0, compute, lambda c: c, carry)
@@ -95,7 +94,7 @@ def _dq_kernel(kept_ref, q_ref, k_ref, v_ref, rank_ref, cut_ref, do_ref, lse_ref
 
     def body(j, dq):
         def compute(dq):
-            keep, k, _ = _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, sinks=sinks, window=window, bq=bq, bk=bk, G=G)
+            keep, k = _tile(q_ref, k_ref, rank_ref, cut_ref, i, j, sinks=sinks, window=window, bq=bq, bk=bk, G=G)
             _, ds = backward_tile(q, do, k, v_ref[pl.ds(j * bk, bk), :], keep, lse, delta, scale)
             return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
         return jax.lax.cond(kept_ref[0, j] != 0, compute, lambda x: x, dq)

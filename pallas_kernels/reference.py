@@ -7,9 +7,6 @@ Layouts (the op API's): ``q [B, S, H, D]``, ``k, v [B, S, K, D]`` with ``H = G K
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from kvjax.eviction.attention import masked_attention, slot_attention
 from kvjax.eviction.keep_rule import keep_mask_from_compact
 from kvjax.targets import future_attention_target
@@ -31,15 +28,3 @@ def sparse_decode(q_BHD, k_BKND, v_BKND, valid_BKN):
     out, _ = slot_attention(q_BHD, k_BKND, v_BKND, valid_BKN)
     return out
 
-
-def sparse_decode_lse(q_BHD, k_BKND, v_BKND, valid_BKN):
-    """``(out [B, H, D], lse [B, H])``: the decode step with its log-sum-exp, for split merging."""
-    B, H, D = q_BHD.shape
-    K = k_BKND.shape[1]
-    q = q_BHD.reshape(B, K, H // K, D).astype(jnp.float32)
-    logits = jnp.einsum("bkgd,bknd->bkgn", q, k_BKND.astype(jnp.float32)) * D ** -0.5
-    logits = jnp.where(valid_BKN[:, :, None], logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    p = jnp.exp(logits - lse[..., None])
-    out = jnp.einsum("bkgn,bknd->bkgd", p, v_BKND.astype(jnp.float32))
-    return out.reshape(B, H, D).astype(q_BHD.dtype), lse.reshape(B, H)

@@ -228,10 +228,11 @@ def transposed_target(q, k, lse, *, S, window, aggregate, eps, bq, bk, interpret
     BK, G, Sp, D = q.shape
     nq, nk = Sp // bq, Sp // bk
     last_q = jnp.minimum(jnp.arange(nq) * bq + bq, S) - 1
-    live = last_q[None, :] >= jnp.arange(nk)[:, None] * bk + window            # [nk, nq]
-    fetch = _fetch_map(live)
-    first = jnp.argmax(live, axis=1).astype(jnp.int32)[:, None]
-    fetch = jnp.where(live.any(axis=1, keepdims=True) & ~live, jnp.maximum(fetch, first), fetch).reshape(-1)
+    live = last_q[None, :] >= jnp.arange(nk)[:, None] * bk + window            # [nk, nq], a suffix per row
+    first = jnp.argmax(live, axis=1).astype(jnp.int32)[:, None]                   # its first live block
+    # skipped (leading) steps fetch the first live block early; rows with none stay on block 0
+    fetch = jnp.where(live.any(axis=1, keepdims=True), jnp.maximum(jnp.arange(nq, dtype=jnp.int32), first), 0)
+    fetch = fetch.reshape(-1)
     qf = lambda bh, j, i, lr, fr: (bh, 0, fr[j * nq + i], 0)  # noqa: E731
     kernel = functools.partial(_target_kernel, S=S, window=window, nq=nq, nk=nk, bq=bq, bk=bk, G=G, scale=D ** -0.5,
                                aggregate=aggregate, eps=eps)

@@ -132,7 +132,6 @@ def run_transformers(model_dir: str, length: int, batch: int, steps: int, repeat
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     c = model.config
     head_dim = getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)

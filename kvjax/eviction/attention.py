@@ -27,12 +27,15 @@ def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
     return keep_mask_from_compact(ranks, cut, sinks, window)
 
 
-def masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS):
-    """``(out [B, S, H, D], lse [B, S, H])`` with keys restricted by ``keep`` per KV head."""
+def masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS, log_weights_BKSS=None):
+    """``(out [B, S, H, D], lse [B, S, H])`` with keys restricted by ``keep`` per KV head;
+    ``log_weights`` (optional) are added to the kept logits (LKV's multiplicative soft mask)."""
     B, S, H, D = q_BSHD.shape
     K = k_BSKD.shape[2]
     q = q_BSHD.reshape(B, S, K, H // K, D)
     logits = jnp.einsum("bskgd,btkd->bkgst", q, k_BSKD, preferred_element_type=jnp.float32) * D ** -0.5
+    if log_weights_BKSS is not None:
+        logits = logits + log_weights_BKSS[:, :, None]
     logits = jnp.where(keep_BKSS[:, :, None], logits, NEG_INF)
     lse = jax.nn.logsumexp(logits, axis=-1)                                     # [B, K, G, S]
     p = jnp.exp(logits - lse[..., None])

@@ -49,11 +49,15 @@ class _LearnedBudgets:
         return jnp.broadcast_to(budgets[:, None, :], (cfg.num_layers, batch, cfg.num_kv_heads))
 
 
+def _missing_weights(name: str) -> ValueError:
+    return ValueError(f"the {name} policy needs trained LKV weights: build it with "
+                      f"kvjax.eviction.lkv_policies.{'lkv_policy' if name == 'lkv' else 'lkv_budgets_policy'}"
+                      f"(...) or kvjax.load_scorers(dir)")
+
+
 def _field(params, key: str, name: str):
     if not isinstance(params, dict) or key not in params:
-        raise ValueError(f"the {name} policy needs trained LKV weights: build it with "
-                         f"kvjax.eviction.lkv_policies.{'lkv_policy' if name == 'lkv' else 'lkv_budgets_policy'}"
-                         f"(...) or kvjax.load_scorers(dir)")
+        raise _missing_weights(name)
     return params[key]
 
 
@@ -66,7 +70,7 @@ class LKV(_LearnedBudgets, BoundedPolicy):
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if self.tokens_def is None:
-            _field(None, "tokens", self.name)
+            raise _missing_weights(self.name)
         return nnx.merge(self.tokens_def, _field(params, "tokens", self.name)).scores(layer, k_BSKD, v_BSKD)
 
 

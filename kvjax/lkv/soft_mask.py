@@ -20,9 +20,9 @@ exp(l_{q,t'})``, computed as ``softmax(l + log m~)`` in float32.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from kvjax.eviction.attention import masked_attention
 from kvjax.lkv.soft_topk import soft_topk
 
 _FAR_BELOW = 1e4  # ineligible entries sit this far below the row's lowest score: ST ~ exp(-1e4) = 0
@@ -46,7 +46,7 @@ def soft_keep_weights(u_BKS: jax.Array, budget_BK: jax.Array, *, sinks: int, win
     full_BKQ = n_elig_Q <= b_BKQ                         # fewer candidates than slots: keep them all
     safe_b = jnp.clip(b_BKQ, 0.5, S - 0.5)               # a valid ST budget; rows where it differs are replaced
     soft_BKQT = soft_topk(x_BKQT, safe_b, temperature=temperature)
-    long_BKQT = jnp.where(full_BKQ[..., None] | (b_BKQ[..., None] >= S), 1.0, soft_BKQT)
+    long_BKQT = jnp.where(full_BKQ[..., None], 1.0, soft_BKQT)
     long_BKQT = jnp.where(b_BKQ[..., None] <= 0, 0.0, long_BKQT)
     always_QT = (t_1T <= q_Q1) & ((t_1T < sinks) | (t_1T > q_Q1 - window))
     return jnp.where(always_QT, 1.0, jnp.where(eligible_QT, long_BKQT, 0.0))
@@ -54,12 +54,5 @@ def soft_keep_weights(u_BKS: jax.Array, budget_BK: jax.Array, *, sinks: int, win
 
 def soft_masked_attention(q_BSHD, k_BSKD, v_BSKD, weights_BKSS):
     """``out [B, S, H, D]``: attention with probabilities proportional to ``m~ exp(l)``."""
-    B, S, H, D = q_BSHD.shape
-    K = k_BSKD.shape[2]
-    q = q_BSHD.reshape(B, S, K, H // K, D)
-    logits = jnp.einsum("bskgd,btkd->bkgst", q, k_BSKD, preferred_element_type=jnp.float32) * D ** -0.5
-    log_m = jnp.log(jnp.maximum(weights_BKSS, 1e-30))[:, :, None]
-    logits = jnp.where(weights_BKSS[:, :, None] > 0, logits + log_m, -1e30)
-    p = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgst,btkd->bskgd", p.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
-    return out.reshape(B, S, H, D).astype(q_BSHD.dtype)
+    log_w = jnp.log(jnp.maximum(weights_BKSS, 1e-30))
+    return masked_attention(q_BSHD, k_BSKD, v_BSKD, weights_BKSS > 0, log_weights_BKSS=log_w)[0]
