@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """Evaluate with kvjax: ``python eval.py --config configs/X.yaml [--set key=value ...]``.
 
-Mode ``quality``: for each compression ratio and policy, teacher-forced accuracy per token
-category (lookup near / far, compute) and KL to the dense model on held-out testbed
-problems, plus answer accuracy under free generation. Writes ``results.json`` and
-``results.md`` under ``out_dir``.
+Mode ``quality``: for each length factor (``length_factors``: 1 = the testbed length, 2, 4),
+compression ratio and policy, on ``num_problems`` held-out testbed problems: teacher-forced
+accuracy per token category (lookup near / far, compute) and KL to the dense teacher,
+answer accuracy under free generation, both relative to dense (the seeds' "Rel"), and
+top-k retention recall against the oracle per layer and head. Learned policies come from
+exported scorers (``scorers: {label: folder}``), each on its distilled student model
+(``students: {label: hf_folder}``). Per-problem results are appended to
+``out_dir/problems.jsonl`` as they complete, so rerunning an interrupted command resumes it.
+Writes ``results.json``, ``results.md``, ``recall_heads.png`` and ``eviction_map.png``.
 
 Mode ``bench`` (``--set mode=bench``): jitted decode latency, tokens/s, KV-cache bytes and
 peak memory at each of ``bench_lengths`` and ``bench_batches`` for kvjax's dense cache,
@@ -22,9 +27,11 @@ import time
 from pathlib import Path
 
 
-def _markdown(rows: list[dict]) -> str:
-    cols = ["compression", "policy", "budget", "lookup_far", "lookup_near", "compute", "graded", "kl", "answer",
-            "answer_rel"]
+QUALITY_COLS = ["length", "compression", "policy", "budget", "lookup_far", "lookup_near", "compute", "graded",
+                "graded_rel", "kl", "answer", "answer_rel", "recall", "problems"]
+
+
+def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = []
@@ -35,35 +42,96 @@ def _markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _fingerprint(cfg, model) -> dict:
+    """What per-problem results depend on (a changed model or scorer file changes it)."""
+    import hashlib
+
+    from kvjax.export import config_hash
+
+    def digest(path: Path) -> str:
+        h = hashlib.sha256()
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        return h.hexdigest()[:16]
+
+    return {"model": str(cfg.model), "model_config": config_hash(model.config),
+            "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
+            "answers": cfg.answers, "batch_size": cfg.batch_size,
+            "scorers": {k: [v, digest(Path(v))] for k, v in sorted(cfg.scorers.items())},
+            "students": {k: [v, digest(Path(v))] for k, v in sorted(cfg.students.items())}}
+
+
 def run_quality(cfg) -> dict:
+    from tqdm.auto import tqdm
+
     import kvjax
-    from kvjax.data import TestbedConfig
+    from kvjax.data import TestbedConfig, batch
     from kvjax.evaluation.budgets import budget_for
-    from kvjax.evaluation.quality import teacher_forced_quality
+    from kvjax.evaluation.quality import BatchContext, aggregate, evaluate_policy
+    from kvjax.evaluation.results_store import ResultsStore, record_key
 
     model = kvjax.load_hf(cfg.model)
-    tb = TestbedConfig(**cfg.testbed)
-    rows, dense_answer = [], None
-    for comp in cfg.compressions:
-        ev = budget_for(tb.length, comp)
-        print(f"compression {comp:.0%}: budget {ev.budget} = {ev.sinks} sinks + {ev.window} window + {ev.topk} top-k")
-        res = teacher_forced_quality(model, tb, list(cfg.policies), ev, cfg.num_problems, tb.length,
-                                     cfg.batch_size, cfg.split)
-        for name in cfg.policies:
-            row = {"compression": comp, "policy": name, "budget": "dense" if name == "dense" else ev.budget,
-                   **res[name]}
-            if cfg.answers:
-                from kvjax.evaluation.quality import answer_policy
+    learned = {label: kvjax.load_scorers(path) for label, path in cfg.scorers.items()}
+    students = {label: kvjax.load_hf(path) for label, path in cfg.students.items()}
+    base = TestbedConfig(**cfg.testbed)
+    store = ResultsStore(cfg.out_dir, _fingerprint(cfg, model), resume=cfg.resume)
+    policies = list(cfg.policies)
+    total = len(cfg.length_factors) * len(cfg.compressions) * len(policies) * cfg.num_problems
+    done = sum(1 for f in cfg.length_factors for c in cfg.compressions for p in policies
+               for i in range(cfg.num_problems) if record_key(f, c, p, i) in store.records)
+    if done:
+        print(f"resuming: {done} of {total} per-problem results already in {store.path}")
+    bar = tqdm(total=total, initial=done, desc="quality", dynamic_ncols=True)
+    for factor in cfg.length_factors:
+        tb = base.scaled(factor) if factor > 1 else base
+        for comp in cfg.compressions:
+            ev = budget_for(tb.length, comp)
+            bar.write(f"length {tb.length}, compression {comp:.0%}: budget {ev.budget} = {ev.sinks} sinks + "
+                      f"{ev.window} window + {ev.topk} top-k")
+            for start in range(0, cfg.num_problems, cfg.batch_size):
+                idx = list(range(start, min(start + cfg.batch_size, cfg.num_problems)))
+                todo = [p for p in policies if not store.has(record_key(factor, comp, p, i) for i in idx)]
+                if not todo:
+                    continue
+                ctx = BatchContext(model, batch(tb, cfg.split, start, len(idx), tb.length), ev)
+                for name in todo:
+                    res = evaluate_policy(ctx, name, learned, answers=cfg.answers, students=students)
+                    store.add([{"key": record_key(factor, comp, name, i), **r} for i, r in zip(idx, res)])
+                    bar.update(len(idx))
+                    agg = aggregate(store.select(factor, comp, name))
+                    bar.set_postfix(policy=name, graded=f"{agg['graded']:.3f}",
+                                    answer=f"{agg.get('answer', float('nan')):.3f}")
+    bar.close()
+    rows = []
+    for factor in cfg.length_factors:
+        tb = base.scaled(factor) if factor > 1 else base
+        dense = aggregate(store.select(factor, cfg.compressions[0], "dense")) if "dense" in policies else None
+        for comp in cfg.compressions:
+            ev = budget_for(tb.length, comp)
+            for name in policies:
+                recs = [store.records[record_key(factor, comp, name, i)] for i in range(cfg.num_problems)]
+                agg = aggregate(recs)
+                row = {"length": tb.length, "compression": comp, "policy": name,
+                       "budget": "dense" if name == "dense" else ev.budget, **agg}
+                if dense:
+                    row["graded_rel"] = agg["graded"] / dense["graded"] if dense["graded"] else float("nan")
+                    if "answer" in agg and dense.get("answer"):
+                        row["answer_rel"] = agg["answer"] / dense["answer"]
+                rows.append(row)
+    result = {"rows": rows, "per_problem": str(store.path)}
+    if cfg.plots:
+        from kvjax.evaluation.quality_plots import plot_eviction_maps, plot_recall
 
-                row["answer"] = answer_policy(model, tb, name, ev, cfg.num_problems, tb.length, cfg.batch_size,
-                                              cfg.split)
-                if name == "dense":
-                    dense_answer = row["answer"]
-                if dense_answer:
-                    row["answer_rel"] = row["answer"] / dense_answer
-            rows.append(row)
-            print(_markdown([row]).splitlines()[-1])
-    return {"rows": rows}
+        out = Path(cfg.out_dir)
+        result["plots"] = [str(plot_recall(rows, out / "recall_heads.png"))]
+        first = cfg.length_factors[0]
+        tb = base.scaled(first) if first > 1 else base
+        comp = cfg.compressions[0]
+        kept = {p: store.records[record_key(first, comp, p, 0)]["kept"] for p in policies if p != "dense"}
+        result["plots"].append(str(plot_eviction_maps(kept, batch(tb, cfg.split, 0, 1, tb.length),
+                                                      out / "eviction_map.png", comp)))
+    return result
 
 
 def run_bench(cfg) -> dict:
@@ -87,7 +155,8 @@ def run_bench(cfg) -> dict:
                 print(db.markdown(rows[-1:]).splitlines()[-1], flush=True)
     db.plot(rows, out / "decode_bench.png")
     return {"rows": rows, "copy_bandwidth_bytes_per_s": bandwidth, "device": jax.devices()[0].device_kind,
-            "markdown": db.markdown(rows), "plot": str(out / "decode_bench.png")}
+            "speedups": db.speedups(rows), "plot": str(out / "decode_bench.png"),
+            "markdown": db.markdown(rows) + "\n" + db.speedup_markdown(rows)}
 
 
 def main(argv=None) -> int:
@@ -101,7 +170,9 @@ def main(argv=None) -> int:
     result = run_quality(cfg) if cfg.mode == "quality" else run_bench(cfg)
     result.update(config=to_dict(cfg), wall_s=time.time() - t0, command=" ".join(["python", "eval.py", *sys.argv[1:]]))
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(_markdown(result["rows"]) if cfg.mode == "quality" else result["markdown"])
+    table = _markdown(result["rows"]) if cfg.mode == "quality" else result["markdown"]
+    (out / "results.md").write_text(table)
+    print(table)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} ({result['wall_s']:.0f} s)")
     return 0
 

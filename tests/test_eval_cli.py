@@ -1,5 +1,5 @@
-"""eval.py quality mode end to end on a tiny random model: the table's rows, files and
-the relative-answer column."""
+"""eval.py end to end on tiny models: the quality table (rows, Rel columns, recall, plots,
+learned scorers, length generalisation, resuming) and the decode benchmark."""
 
 import json
 import os
@@ -10,28 +10,85 @@ from flax import nnx
 
 import kvjax
 from kvjax.data import save_tokenizer
+from kvjax.eviction.learned import from_scorer
+from kvjax.export import export_scorers
+from kvjax.scorers import MLPScorer
 from train_helpers import TINY_MODEL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quality_mode_writes_the_table(tmp_path):
+def _tiny_teacher(path):
     model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(0), init_std=0.3,
                           embed_init_std=1.0)
-    kvjax.save_hf(model, tmp_path / "m")
-    save_tokenizer(tmp_path / "m")
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--set", f"model={tmp_path / 'm'}",
-                          "--set", f"out_dir={tmp_path / 'out'}", "--set", "num_problems=4", "--set", "batch_size=4",
-                          "--set", "testbed={length: 128, num_names: 16}",
-                          "--set", "policies=[dense,streaming_llm,oracle]"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    kvjax.save_hf(model, path)
+    save_tokenizer(path)
+    return model
+
+
+def _eval(*sets, timeout=900):
+    args = [a for s in sets for a in ("--set", s)]
+    return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_quality_mode_table_plots_lengths_and_learned_scorers(tmp_path):
+    """Rows for every (length, compression, policy), the Rel columns, oracle recall exactly 1,
+    an exported (here untrained) KVpop scorer evaluated by label, and both plots."""
+    model = _tiny_teacher(tmp_path / "m")
+    cfg = model.config
+    export_scorers(from_scorer(MLPScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rngs=nnx.Rngs(1)),
+                               kvjax.EvictionConfig(4, 2, 10)), tmp_path / "kv")
+    res = _eval(f"model={tmp_path / 'm'}", f"out_dir={tmp_path / 'out'}", "num_problems=2", "batch_size=2",
+                "testbed={length: 128, num_names: 16}", "length_factors=[1,2]",
+                f"scorers={{mine: {tmp_path / 'kv'}}}", "policies=[dense,h2o,oracle,mine]")
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["dense", "streaming_llm", "oracle"]
-    dense = rows[0]
-    assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6 and rows[1]["budget"] == 32
-    assert all(0.0 <= r["lookup_far"] <= 1.0 and r["kl"] >= -1e-6 for r in rows)
-    assert "| 0.750 | streaming_llm | 32 |" in (tmp_path / "out" / "results.md").read_text()
+    out = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {(r["length"], r["policy"]): r for r in out["rows"]}
+    assert len(rows) == 2 * 4 and all(r["problems"] == 2 and r["compression"] == 0.75 for r in rows.values())
+    assert rows[(128, "h2o")]["budget"] == 32 and rows[(256, "mine")]["budget"] == 64
+    for length in (128, 256):
+        dense = rows[(length, "dense")]
+        assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6
+        assert rows[(length, "oracle")]["recall"] == 1.0
+        for p in ("h2o", "mine", "oracle"):
+            r = rows[(length, p)]
+            assert 0.0 <= r["recall"] <= 1.0 and r["kl"] >= -1e-6
+            rel = r["graded"] / dense["graded"] if dense["graded"] else float("nan")
+            assert r["graded_rel"] == rel or (rel != rel and r["graded_rel"] != r["graded_rel"])
+            assert len(r["recall_per_head"]) == cfg.num_layers and len(r["recall_per_head"][0]) == cfg.num_kv_heads
+    lines = (tmp_path / "out" / "problems.jsonl").read_text().splitlines()
+    assert len(lines) == 2 * 4 * 2
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| 128 | 0.750 | h2o | 32 |" in md and "| 256 | 0.750 | mine | 64 |" in md
+    assert (tmp_path / "out" / "recall_heads.png").stat().st_size > 0
+    assert (tmp_path / "out" / "eviction_map.png").stat().st_size > 0
+
+
+def test_quality_mode_resumes_without_recomputing_or_mixing(tmp_path):
+    """An interrupted run (records for some problems, a torn last line) resumes: only the
+    missing problems are computed and the table equals an uninterrupted run's; another
+    evaluation in the same folder is refused, naming what differs."""
+    _tiny_teacher(tmp_path / "m")
+    common = [f"model={tmp_path / 'm'}", "num_problems=4", "batch_size=2", "testbed={length: 128, num_names: 16}",
+              "policies=[dense,streaming_llm]"]
+    full = _eval(*common, f"out_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-3000:]
+    part = _eval(*common, f"out_dir={tmp_path / 'part'}")
+    assert part.returncode == 0, part.stderr[-3000:]
+    path = tmp_path / "part" / "problems.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 8
+    path.write_text("\n".join(lines[:5]) + "\n" + lines[5][: len(lines[5]) // 2])   # crash mid-write
+    again = _eval(*common, f"out_dir={tmp_path / 'part'}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming: 5 of 8" in again.stdout + again.stderr
+    assert len(path.read_text().splitlines()) == 8
+    a = json.loads((tmp_path / "full" / "results.json").read_text())["rows"]
+    b = json.loads((tmp_path / "part" / "results.json").read_text())["rows"]
+    assert json.dumps(a) == json.dumps(b)   # (text: NaN entries compare equal)
+    other = _eval(*common[:-2], "testbed={length: 160, num_names: 16}", common[-1], f"out_dir={tmp_path / 'part'}")
+    assert other.returncode != 0 and "differs in: testbed" in other.stderr
 
 
 def test_bench_mode_small(tmp_path):
@@ -49,3 +106,9 @@ def test_bench_mode_small(tmp_path):
     assert rows[("kvjax-dense", 1024)]["cache_bytes"] > 3 * rows[("kvjax-dense", 256)]["cache_bytes"]
     assert rows[("transformers-dense", 1024)]["peak_rss_bytes"] > 0 and (tmp_path / "decode_bench.png").exists()
     assert "| kvjax-kvpop | 1 | 1024 |" in (tmp_path / "results.md").read_text()
+    sp = {r["length"]: r for r in out["speedups"]}
+    ideal = rows[("kvjax-dense", 1024)]["bytes_per_step"] / rows[("kvjax-kvpop", 1024)]["bytes_per_step"]
+    assert abs(sp[1024]["kvpop_vs_dense_ideal"] - ideal) < 1e-9 and ideal > sp[256]["kvpop_vs_dense_ideal"]
+    assert sp[1024]["dense_vs_transformers"] == (rows[("transformers-dense", 1024)]["latency_s"]
+                                                 / rows[("kvjax-dense", 1024)]["latency_s"])
+    assert "| 1 | 1024 |" in (tmp_path / "results.md").read_text().split("ideal")[1]

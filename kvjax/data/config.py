@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvjax.data.vocab import MAX_NAMES, MAX_VALUES, OPERATORS
 
-DERIVED_LEN = 13  # `keep n = v + n = v -> n = v ;`, the longest non-scratch line
+DERIVED_LEN = 10  # `keep n v + n v -> n v ;`, the longest non-scratch line
 
 
 def scratch_len(steps: int) -> int:
@@ -24,8 +24,8 @@ def scratch_len(steps: int) -> int:
 
 
 def answer_len(terms: int) -> int:
-    """Tokens of `query n (op n)* ;` plus `answer n = v -> r (op n = v -> r)* ; <eos>`."""
-    return (2 * terms + 1) + (1 + 5 * terms + (terms - 1) + 2)
+    """Tokens of `query n (op n)* ;` plus `answer n v -> r (op n v -> r)* ; <eos>`."""
+    return (2 * terms + 1) + (1 + 4 * terms + (terms - 1) + 2)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TestbedConfig:
     scratch_prob   chance that a free line slot is scratch work (else a new fact).
     scratch_steps  (lo, hi) operations per scratch line.
     recall_prob    chance that a free line slot (once facts exist) is a recall line
-                   `use NAME = v ;` of a uniformly chosen fact: a pure lookup, no
+                   `use NAME v ;` of a uniformly chosen fact: a pure lookup, no
                    arithmetic (curriculum: forms the copy circuit; 0 in the task).
     def_prob       chance that a new fact is a literal definition (else derived).
     keep_prob      chance that a new fact is marked `keep` (else `let`).
@@ -107,7 +107,7 @@ class TestbedConfig:
 
     @property
     def prompt_length(self) -> int:
-        return 3 + 5 * self.num_defs + 2  # `<bos> facts :` defs `trace :`
+        return 3 + 4 * self.num_defs + 2  # `<bos> facts :` defs `trace :`
 
     @property
     def min_length(self) -> int:

@@ -42,7 +42,7 @@ def category_accuracy(pred, tokens, category) -> dict[str, float]:
 def parse_answer(generated) -> int | None:
     """The value a generated answer line states, or None if it is malformed.
 
-    Expects `n1 = v1 -> v1 op n2 = v2 -> r ... ;` (then `<eos>` or padding):
+    Expects `n1 v1 -> v1 op n2 v2 -> r ... ;` (then `<eos>` or padding):
     the answer is the number just before the first `;`, which must follow `->`.
     """
     ids = [int(i) for i in np.asarray(generated).reshape(-1)]
@@ -78,9 +78,9 @@ def dataset_statistics(cfg: TestbedConfig, split: str = "valid", num_problems: i
         dists.append(lookup - p.deps[lookup, 0])
         sources = set(p.deps[lookup, 0].tolist())
         for kind in reused:
-            # a fact's first value: `NAME = v` on a keep/let line that is not itself a lookup
+            # a fact's first value: `NAME v` on a keep/let line that is not itself a lookup
             first = [t for t in np.flatnonzero(p.line_kind == LINE_KINDS.index(kind))
-                     if t >= 2 and p.tokens[t - 1] == tok("=") and is_name(p.tokens[t - 2])
+                     if t >= 1 and is_name(p.tokens[t - 1])
                      and p.category[t] in (OTHER, COMPUTE)]
             reused[kind] += [t in sources for t in first]
     dists = np.concatenate(dists)

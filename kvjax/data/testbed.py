@@ -2,19 +2,22 @@
 
 A problem is a word-level trace whose memory demands mimic math reasoning:
 
-    <bos> facts : keep a3 = 7 ; let q0 = 2 ; ... trace :            <- prompt
-    work 4 + 5 -> 9 - 3 -> 6 ;                                     <- scratch (local)
-    keep a3 = 7 + 2 -> m1 = 9 ;                                    <- reuse a3, bind m1
-    let 3 * 4 -> c2 = 2 ;   keep k5 = 1 ;   use m1 = 9 - 5 -> 4 ;  <- facts, reuse
+    <bos> facts : keep a3 7 ; let q0 2 ; ... trace :            <- prompt
+    work 4 + 5 -> 9 - 3 -> 6 ;                                 <- scratch (local)
+    keep a3 7 + 2 -> m1 9 ;                                    <- reuse a3, bind m1
+    let 3 * 4 -> c2 2 ;   keep k5 1 ;   use m1 9 - 5 -> 4 ;    <- facts, reuse
     ...
-    query m1 + a3 - k5 ; answer m1 = 9 -> 9 + a3 = 7 -> 6 - k5 = 1 -> 5 ; <eos>
+    query m1 + a3 - k5 ; answer m1 9 -> 9 + a3 7 -> 6 - k5 1 -> 5 ; <eos>
 
-* Facts (`NAME = value`) are bound by definitions in the prompt and in the
-  trace, and by derived lines (`... -> NAME = value`). Names never rebind, so a
-  later `NAME =` is followed by a copy of the value: a lookup, graded
+* Facts (`NAME value`) are bound by definitions in the prompt and in the
+  trace, and by derived lines (`... -> NAME value`). Names never rebind, so a
+  later `NAME` is followed by a copy of its value: a lookup, graded
   `lookup_near` or `lookup_far` by its distance to the nearest earlier
   occurrence of that value (`far` when the distance exceeds
-  `far_frac * length`).
+  `far_frac * length`). The value follows its name directly (no `=` between):
+  a lookup is then the plain induction copy "after this token came that one",
+  which a 2-layer model learns in ~150 steps, where `NAME = value` (the value
+  two tokens after the name) left the lookups at chance for 600+ steps.
 * The marker predicts reuse: a `keep` fact is scheduled for a later reference
   with probability `keep_reuse` (0.8), a `let` fact with `let_reuse` (0.15);
   `work` scratch lines and `use` lines bind nothing and are never referenced.
@@ -182,10 +185,9 @@ class _Builder:
         return self.emit(number_id(value), COMPUTE, (a[0], b[0])), value
 
     def lookup(self, name: int, reschedule: bool) -> tuple[int, int]:
-        """`NAME = value`, the value copied from its latest occurrence."""
+        """`NAME value`, the value copied from its latest occurrence."""
         fact = self.facts[name]
         self.emit(name_id(name))
-        self.words("=")
         far = self.pos - fact.pos > self.cfg.far_threshold
         fact.pos = self.emit(number_id(fact.value), LOOKUP_FAR if far else LOOKUP_NEAR, (fact.pos, -1))
         if reschedule:
@@ -197,17 +199,16 @@ class _Builder:
 
     # ---- lines ------------------------------------------------------------
     def definition(self) -> None:
-        """`keep NAME = v ;` with a free value."""
+        """`keep NAME v ;` with a free value."""
         kind, name = self.marker(), self.free_names.pop()
         self.start_line(kind)
         self.emit(name_id(name))
-        self.words("=")
         pos, value = self.literal()
         self.words(";")
         self.add_fact(name, kind, pos, value)
 
     def derived(self, refs: list[int], bind: bool) -> None:
-        """`keep x = 3 + 2 -> NAME = 5 ;` (binds) or `use x = 3 + 2 -> 5 ;`."""
+        """`keep x 3 + 2 -> NAME 5 ;` (binds) or `use x 3 + 2 -> 5 ;`."""
         kind = self.marker() if bind else "use"
         self.start_line(kind)
         operands = refs + [-1] * (2 - len(refs))
@@ -219,14 +220,13 @@ class _Builder:
         if bind:
             name = self.free_names.pop()
             self.emit(name_id(name))
-            self.words("=")
         result = self.compute(op, a, b)
         self.words(";")
         if bind:
             self.add_fact(name, kind, *result)
 
     def recall(self, name: int) -> None:
-        """`use NAME = v ;`: a lookup on its own (curriculum lines, ``recall_prob``)."""
+        """`use NAME v ;`: a lookup on its own (curriculum lines, ``recall_prob``)."""
         self.start_line("use")
         self.lookup(name, reschedule=False)
         self.words(";")
@@ -256,11 +256,11 @@ class _Builder:
         return [far[i] for i in chosen]
 
     def answer(self, terms: int) -> tuple[int, int, int]:
-        """`query n1 op2 n2 ... ; answer n1 = v1 -> v1 op2 n2 = v2 -> r2 ... ; <eos>`.
+        """`query n1 op2 n2 ... ; answer n1 v1 -> v1 op2 n2 v2 -> r2 ... ; <eos>`.
 
-        Every term has the same shape `NAME = v -> running`, so the copies
+        Every term has the same shape `NAME v -> running`, so the copies
         from the query sit at fixed offsets: the next operator follows the
-        name four tokens back, the next name follows it in the query.
+        name three tokens back, the next name follows it in the query.
         """
         names = self.pick_answer_facts(terms)
         ops = [str(op) for op in self.rng.choice(self.cfg.ops, size=terms - 1)]
@@ -278,7 +278,7 @@ class _Builder:
             if i:
                 self.emit(tok(ops[i - 1]), OTHER, (query[2 * i - 1], -1))
             value = self.lookup(name, reschedule=False)
-            self.deps[value[0] - 2] = (query[2 * i], -1)  # the name is a copy from the query
+            self.deps[value[0] - 1] = (query[2 * i], -1)  # the name is a copy from the query
             self.words("->")
             if i:
                 acc = self.compute(ops[i - 1], acc, value)

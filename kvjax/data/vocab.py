@@ -4,7 +4,7 @@ The vocabulary is fixed (it does not depend on a `TestbedConfig`), so one
 tokenizer serves every curriculum stage and every evaluation length:
 
     ids 0..3    special tokens   <pad> <bos> <eos> <unk>
-    then        keywords         facts trace keep let use work query answer : = -> ;
+    then        keywords         facts trace keep let use work query answer : -> ;
     then        operators        + - *
     then        numbers          0 .. MAX_VALUES-1   (one token each)
     then        variable names   a0 .. z0 a1 .. z9   (MAX_NAMES, one token each)
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
-KEYWORDS = ("facts", "trace", "keep", "let", "use", "work", "query", "answer", ":", "=", "->", ";")
+KEYWORDS = ("facts", "trace", "keep", "let", "use", "work", "query", "answer", ":", "->", ";")
 OPERATORS = ("+", "-", "*")
 MAX_VALUES = 20
 MAX_NAMES = 26 * 10

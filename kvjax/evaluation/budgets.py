@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvjax.eviction.config import EvictionConfig
 
 
@@ -13,3 +15,22 @@ def budget_for(length: int, compression: float, *, sinks: int = 4, window_frac: 
     total = max(int(round((1.0 - compression) * length)), sinks + 2)
     window = max(1, int(round(total * window_frac)))
     return EvictionConfig(sinks=sinks, window=window, topk=total - sinks - window)
+
+
+def rebudget(policy, ev: EvictionConfig):
+    """A loaded learned policy at another budget ``ev``. Policies with LKV per-head budgets
+    keep their learned split: each head's budget and ``k_max`` scale by ``ev.topk / topk``
+    (the keep ratio ``R = topk / k_max`` is unchanged, so the total stays <= ``L K topk``)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    params = policy.params
+    if isinstance(params, dict) and "budgets" in params:
+        old = policy.config
+        scale = ev.topk / old.topk
+        k_max = max(int(math.ceil(old.k_max * scale)), ev.topk + 1)
+        budgets = jnp.minimum(jnp.floor(params["budgets"] * scale).astype(jnp.int32), k_max)
+        ev = dataclasses.replace(ev, k_max=k_max)
+        params = {**params, "budgets": budgets}
+    return dataclasses.replace(policy, config=ev, params=params)

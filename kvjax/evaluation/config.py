@@ -18,6 +18,11 @@ class EvalConfig:
     compressions: list[float] = field(default_factory=lambda: [0.75])
     batch_size: int = 16
     answers: bool = True                           # also free-generation answer accuracy
+    scorers: dict[str, str] = field(default_factory=dict)  # policy label -> exported scorer folder
+    students: dict[str, str] = field(default_factory=dict)  # policy label -> its distilled model (HF folder)
+    length_factors: list[int] = field(default_factory=lambda: [1])  # also at 2x, 4x the testbed length
+    resume: bool = True                            # reuse out_dir's per-problem results of the same evaluation
+    plots: bool = True                             # recall per head and eviction-map PNGs
     # mode bench: jitted decode latency / memory, dense vs KVpop's bounded cache vs transformers
     bench_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768])
     bench_batches: list[int] = field(default_factory=lambda: [1, 8])
@@ -32,9 +37,18 @@ class EvalConfig:
             raise ValueError(f"num_problems must be >= 1, got {self.num_problems}")
         from kvjax.eviction.policies import REGISTRY
 
-        unknown = [p for p in self.policies if p != "dense" and p not in REGISTRY]
+        unknown = [p for p in self.policies if p != "dense" and p not in REGISTRY and p not in self.scorers]
         if unknown:
-            raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}")
+            raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}, "
+                             f"or a label of `scorers` ({', '.join(sorted(self.scorers)) or 'none given'})")
+        clash = sorted(set(self.scorers) & (set(REGISTRY) | {"dense"}))
+        if clash:
+            raise ValueError(f"scorers: label {clash[0]!r} is a built-in policy name; pick another label")
+        stray = sorted(set(self.students) - set(self.scorers))
+        if stray:
+            raise ValueError(f"students: label {stray[0]!r} has no entry in `scorers`")
+        if not self.length_factors or any(f < 1 for f in self.length_factors):
+            raise ValueError(f"length_factors must be positive integers, got {self.length_factors}")
         for c in self.compressions:
             if not 0.0 <= c < 1.0:
                 raise ValueError(f"compressions: each must be in [0, 1), got {c}")

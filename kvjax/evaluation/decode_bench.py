@@ -200,6 +200,37 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def speedups(rows: list[dict]) -> list[dict]:
+    """Per (batch, length): KVpop-bounded vs dense kvjax tokens/s (measured, and the ideal
+    ratio of bytes one step moves, dense / bounded), and dense kvjax vs ``transformers``."""
+    by = {(r["impl"], r["batch"], r["length"]): r for r in rows if "latency_s" in r}
+    out = []
+    for batch, length in sorted({(b, n) for _, b, n in by}):
+        dense, kvpop = by.get(("kvjax-dense", batch, length)), by.get(("kvjax-kvpop", batch, length))
+        hf = by.get(("transformers-dense", batch, length))
+        row = {"batch": batch, "length": length}
+        if dense and kvpop:
+            row["kvpop_vs_dense"] = dense["latency_s"] / kvpop["latency_s"]
+            row["kvpop_vs_dense_ideal"] = dense["bytes_per_step"] / kvpop["bytes_per_step"]
+        if dense and hf:
+            row["dense_vs_transformers"] = hf["latency_s"] / dense["latency_s"]
+        out.append(row)
+    return out
+
+
+def speedup_markdown(rows: list[dict]) -> str:
+    out = ["| batch | length | KVpop vs dense (measured) | ideal (bytes/step, dense / bounded) | "
+           "dense kvjax vs transformers |", "|---|---|---|---|---|"]
+
+    def cell(v):
+        return f"{v:.2f}x" if v is not None else "-"
+
+    for r in speedups(rows):
+        out.append(f"| {r['batch']} | {r['length']} | {cell(r.get('kvpop_vs_dense'))} | "
+                   f"{cell(r.get('kvpop_vs_dense_ideal'))} | {cell(r.get('dense_vs_transformers'))} |")
+    return "\n".join(out) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 

@@ -1,10 +1,13 @@
-"""Teacher-forced quality of an eviction policy on testbed problems.
+"""Quality of eviction policies on testbed problems, one batch of problems at a time.
 
-For every policy: per-category token accuracy (lookup near / far, compute, graded) of
-the model's next-token predictions with the bounded cache, and the KL divergence from
-the dense model's next-token distribution on graded tokens. Static-priority policies
-run one keep-rule-masked pass; attention heuristics run token by token through the
-decode path (the two agree for static policies; see the tests).
+For a batch and every policy: per-category token accuracy (lookup near / far, compute,
+graded) of teacher-forced next-token predictions with the bounded cache; the KL divergence
+from the dense model's next-token distribution on graded tokens; answer accuracy under
+free generation (prompted up to the word ``answer``, the policy's cache throughout); and
+per-head retention recall against the oracle's top-k at the moment the answer starts.
+Static-priority policies run one keep-rule-masked pass; attention heuristics run token by
+token through the decode path (the two agree for static policies; see the tests).
+Results are per problem, so a caller can store them as they complete.
 """
 
 from __future__ import annotations
@@ -12,78 +15,135 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 import kvjax
-from kvjax.data import OTHER, TestbedConfig, batch, category_counts, predictions_from_logits
+from kvjax.data import EOS_ID, OTHER, category_counts, check_answer, predictions_from_logits
+from kvjax.evaluation.budgets import rebudget
 from kvjax.evaluation.oracle import oracle_priorities
+from kvjax.evaluation.retention import kept_positions, retention_recall
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
 from kvjax.eviction.policies import make_policy
 
+ANSWER_MAX_NEW = 32   # the longest answer line (4 terms) is 21 tokens
 
-def _kl(dense_BSV, sparse_BSV, mask_BS):
+
+def _kl_rows(dense_BSV, sparse_BSV, mask_BS) -> tuple[np.ndarray, np.ndarray]:
+    """Per row: summed KL(dense || policy) over graded next-token targets, and their count."""
     p = jax.nn.log_softmax(dense_BSV, -1)
     q = jax.nn.log_softmax(sparse_BSV, -1)
     kl = jnp.sum(jnp.exp(p) * (p - q), -1)[:, :-1]
     m = mask_BS[:, 1:]
-    return float(jnp.sum(kl * m)), float(jnp.sum(m))
+    return np.asarray(jnp.sum(kl * m, 1)), np.asarray(jnp.sum(m, 1))
 
 
-def policy_logits(model, tokens, name: str, ev: EvictionConfig | None):
+class BatchContext:
+    """Per-batch quantities every policy shares: dense logits, oracle priorities (over the
+    full trace plus the generated answer's room) and the oracle's kept set at the answer."""
+
+    def __init__(self, model, batch: dict, ev: EvictionConfig | None):
+        self.model, self.b, self.ev = model, batch, ev
+        self.tokens = batch["tokens"]
+        self.dense = kvjax.forward(model, self.tokens)
+        self.graded = jnp.asarray(batch["category"] != OTHER)
+        self.prompts_len = batch["answer_start"]
+        self._oracle = None
+        self._oracle_lr = None
+
+    def oracle_params(self):
+        if self._oracle is None:
+            padded = np.pad(self.tokens, ((0, 0), (0, ANSWER_MAX_NEW)))
+            self._oracle = oracle_priorities(self.model, padded, self.ev.window)
+        return self._oracle
+
+    def oracle_long_range(self):
+        if self._oracle_lr is None:
+            pol = make_policy("oracle", self.ev, params=self.oracle_params())
+            _, self._oracle_lr = kept_positions(self.model, self.tokens, self.prompts_len, pol)
+        return self._oracle_lr
+
+
+def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext):
+    """The policy object for ``name`` at budget ``ev`` (``None`` for dense)."""
     if name == "dense":
-        return kvjax.forward(model, tokens)
-    params = oracle_priorities(model, tokens, ev.window) if name == "oracle" else None
-    pol = make_policy(name, ev, params=params)
-    return sparse_logits(model, tokens, pol) if pol.static else stepwise_logits(model, tokens, pol)
+        return None
+    if name in learned:
+        return rebudget(learned[name], ev)
+    return make_policy(name, ev, params=ctx.oracle_params() if name == "oracle" else None)
 
 
-def teacher_forced_quality(model, cfg: TestbedConfig, policies: list[str], ev: EvictionConfig | None,
-                           num: int, seq_len: int, batch_size: int = 16, split: str = "test",
-                           progress: bool = True) -> dict[str, dict[str, float]]:
-    """``{policy: {lookup_near, lookup_far, compute, graded, kl}}`` over ``num`` problems."""
-    counts = {p: {} for p in policies}
-    kls = {p: [0.0, 0.0] for p in policies}
-    bar = tqdm(total=num * len(policies), disable=not progress, desc="teacher-forced", dynamic_ncols=True)
+def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool = True,
+                    recall: bool = True, students: dict | None = None) -> list[dict]:
+    """Per-problem results of policy ``name`` on the batch: category counts, KL to the dense
+    teacher, answer, retention recall ``[L][K]`` and the kept positions ``[L][K][slots]``.
+    A learned policy runs on its distilled student (``students[name]``) when given."""
+    model, b = (students or {}).get(name, ctx.model), ctx.b
+    pol = build_policy(name, ctx.ev, learned, ctx)
+    if pol is None:
+        logits = ctx.dense
+    else:
+        logits = sparse_logits(model, ctx.tokens, pol) if pol.static else stepwise_logits(model, ctx.tokens, pol)
+    pred = predictions_from_logits(np.asarray(logits))
+    kl_sum, kl_n = _kl_rows(ctx.dense, logits, ctx.graded)
+    n = len(ctx.tokens)
+    right = [None] * n
+    if answers:
+        prompts = [row[:s].tolist() for row, s in zip(ctx.tokens, ctx.prompts_len)]
+        out = np.asarray(kvjax.generate(model, prompts, ANSWER_MAX_NEW, policy=pol, eos_token_id=EOS_ID))
+        width = out.shape[1] - ANSWER_MAX_NEW
+        right = [bool(check_answer(out[i, width:], int(b["answer"][i]))) for i in range(n)]
+    rec, kept = [None] * n, [None] * n
+    if recall and pol is not None:
+        every, _ = kept_positions(model, ctx.tokens, ctx.prompts_len, pol)
+        r = retention_recall(every, ctx.oracle_long_range(), ctx.tokens.shape[1])   # [L, B, K]
+        rec = [np.where(np.isnan(r[:, i]), -1.0, r[:, i]).round(6).tolist() for i in range(n)]
+        kept = [every[:, i].tolist() for i in range(n)]
+    results = []
+    for i in range(n):
+        counts = category_counts(pred[i : i + 1], ctx.tokens[i : i + 1], b["category"][i : i + 1])
+        results.append({"counts": {k: list(v) for k, v in counts.items()}, "kl": [float(kl_sum[i]), float(kl_n[i])],
+                        "answer": right[i], "recall": rec[i], "kept": kept[i]})
+    return results
+
+
+def aggregate(records: list[dict]) -> dict:
+    """Pooled metrics of a policy's per-problem records."""
+    out: dict = {"problems": len(records)}
+    names = records[0]["counts"].keys() if records else ()
+    for k in names:
+        c = sum(r["counts"][k][0] for r in records)
+        t = sum(r["counts"][k][1] for r in records)
+        out[k] = c / t if t else float("nan")
+    out["kl"] = sum(r["kl"][0] for r in records) / max(sum(r["kl"][1] for r in records), 1.0)
+    answered = [r["answer"] for r in records if r["answer"] is not None]
+    if answered:
+        out["answer"] = float(np.mean(answered))
+    recalls = [np.asarray(r["recall"], np.float64) for r in records if r.get("recall") is not None]
+    if recalls:
+        stack = np.where(np.stack(recalls) < 0, np.nan, np.stack(recalls))   # [P, L, K]
+        with np.errstate(invalid="ignore"):
+            per_head = np.nanmean(stack, axis=0)
+        out["recall_per_head"] = np.where(np.isnan(per_head), -1.0, per_head).round(4).tolist()
+        out["recall"] = float(np.nanmean(stack))
+    return out
+
+
+def dense_quality(model, cfg, num: int, seq_len: int, batch_size: int = 32, split: str = "valid",
+                  answer_num: int | None = None) -> dict:
+    """The dense model's pooled token accuracies on ``num`` problems and its answer accuracy
+    on the first ``answer_num`` of them (default all): the trainer's held-out evaluation."""
+    from kvjax.data import batch as make_batch
+
+    answer_num = num if answer_num is None else answer_num
+    records = []
     for start in range(0, num, batch_size):
-        b = batch(cfg, split, start, min(batch_size, num - start), seq_len)
-        dense = kvjax.forward(model, b["tokens"])
-        graded = jnp.asarray(b["category"] != OTHER)
-        for name in policies:
-            logits = dense if name == "dense" else policy_logits(model, b["tokens"], name, ev)
-            pred = predictions_from_logits(np.asarray(logits))
-            for k, (c, t) in category_counts(pred, b["tokens"], b["category"]).items():
-                acc = counts[name].setdefault(k, [0, 0])
-                acc[0] += c
-                acc[1] += t
-            s, n = _kl(dense, logits, graded)
-            kls[name][0] += s
-            kls[name][1] += n
-            bar.update(len(b["tokens"]))
-            g = counts[name]["graded"]
-            bar.set_postfix(policy=name, graded=f"{g[0] / max(g[1], 1):.3f}")
-    bar.close()
-    return {name: {**{k: c / t if t else float("nan") for k, (c, t) in counts[name].items()},
-                   "kl": kls[name][0] / max(kls[name][1], 1.0)} for name in policies}
-
-
-def answer_policy(model, cfg: TestbedConfig, name: str, ev: EvictionConfig | None, num: int, seq_len: int,
-                  batch_size: int = 16, split: str = "test", max_new: int = 40) -> float:
-    """Answer accuracy under free generation from the ``answer`` word, with the policy's cache."""
-    from kvjax.data import EOS_ID, check_answer
-
-    right = 0
-    for start in range(0, num, batch_size):
-        b = batch(cfg, split, start, min(batch_size, num - start), seq_len)
-        prompts = [row[:s].tolist() for row, s in zip(b["tokens"], b["answer_start"])]
-        if name == "dense":
-            pol = None
-        else:
-            params = None
-            if name == "oracle":
-                params = oracle_priorities(model, np.pad(b["tokens"], ((0, 0), (0, max_new))), ev.window)
-            pol = make_policy(name, ev, params=params)
-        out = np.asarray(kvjax.generate(model, prompts, max_new, policy=pol, eos_token_id=EOS_ID))
-        width = out.shape[1] - max_new
-        right += sum(check_answer(out[i, width:], int(b["answer"][i])) for i in range(len(prompts)))
-    return right / num
+        b = make_batch(cfg, split, start, min(batch_size, num - start), seq_len)
+        ctx = BatchContext(model, b, None)
+        res = evaluate_policy(ctx, "dense", {}, answers=start < answer_num, recall=False)
+        records += res
+    out = aggregate(records)
+    answered = [r["answer"] for r in records[:answer_num] if r["answer"] is not None]
+    out["answer"] = float(np.mean(answered)) if answered else float("nan")
+    out.pop("kl", None)
+    out.pop("problems", None)
+    return out

@@ -213,16 +213,12 @@ def evaluate(cfg: TrainConfig, task, params) -> dict:
     """Held-out testbed metrics on the final phase's task (pretrain mode)."""
     if cfg.data.source != "testbed" or cfg.mode != "pretrain":
         return {}
-    from kvjax.evaluation.quality import answer_policy, teacher_forced_quality
+    from kvjax.evaluation.quality import dense_quality
 
     phase = cfg.all_phases()[-1]
     tb, seq_len = testbed_config(cfg.data, phase), phase_seq_len(cfg.data, phase)
-    model = task.model(params)
-    res = teacher_forced_quality(model, tb, ["dense"], None, cfg.data.eval_problems, seq_len, 32, "valid",
-                                 progress=False)["dense"]
-    res.pop("kl")
-    res["answer"] = answer_policy(model, tb, "dense", None, max(cfg.data.eval_problems // 4, 1), seq_len, 32, "valid")
-    return res
+    return dense_quality(task.model(params), tb, cfg.data.eval_problems, seq_len, 32, "valid",
+                         answer_num=max(cfg.data.eval_problems // 4, 1))
 
 
 def _export_hf(cfg: TrainConfig, task, params) -> None:
