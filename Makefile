@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test demo teacher
+.PHONY: install test demo teacher quality
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,3 +26,20 @@ teacher: install
 	rm -rf assets/testbed-teacher.tmp && cp -r runs/testbed-teacher/hf assets/testbed-teacher.tmp
 	rm -rf assets/testbed-teacher && mv assets/testbed-teacher.tmp assets/testbed-teacher
 	$(PY) -m kvjax.evaluation.learning_curve runs/testbed-teacher --out assets/testbed-teacher-curve.png
+
+# The quality table (README): distil KVpop (mLSTM, MLP) and LKV from the shipped teacher,
+# export the scorers, combine LKV budgets with the KVpop mLSTM scorer, evaluate every policy.
+DISTILL_STEPS ?= 300
+quality: install
+	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS)
+	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS) --set eviction.scorer=mlp \
+		--set out_dir=runs/testbed-kvpop-mlp --set save_hf=runs/testbed-kvpop-mlp/student
+	$(PY) train.py --config configs/testbed-distill-lkv.yaml --set steps=$(DISTILL_STEPS)
+	$(PY) -c "import kvjax; from kvjax.export import combine_lkv_budgets as c; \
+		kvjax.export_scorers('runs/testbed-kvpop-mlstm', 'runs/scorers/kvpop-mlstm'); \
+		kvjax.export_scorers('runs/testbed-kvpop-mlp', 'runs/scorers/kvpop-mlp'); \
+		kvjax.export_scorers('runs/testbed-lkv', 'runs/scorers/lkv'); \
+		c('runs/scorers/lkv', 'runs/scorers/kvpop-mlstm', 'runs/scorers/lkv-kvpop-mlstm')"
+	$(PY) eval.py --config configs/testbed-quality.yaml
+	$(PY) eval.py --config configs/testbed-quality.yaml --set length_factors=[2,4] --set out_dir=runs/quality-long \
+		--set num_problems=128

@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     result = run_quality(cfg) if cfg.mode == "quality" else run_bench(cfg)
-    result.update(config=to_dict(cfg), wall_s=time.time() - t0, command=" ".join(["python", "eval.py", *sys.argv[1:]]))
+    args = sys.argv[1:] if argv is None else list(argv)
+    result.update(config=to_dict(cfg), wall_s=time.time() - t0, command=" ".join(["python", "eval.py", *args]))
     (out / "results.json").write_text(json.dumps(result, indent=2))
     table = _markdown(result["rows"]) if cfg.mode == "quality" else result["markdown"]
     (out / "results.md").write_text(table)

@@ -181,3 +181,24 @@ def load_scorers(directory):
         policy = LKVBudgetsKVpopMLSTM(ev, params={"budgets": budgets, "scorer": policy.params},
                                       scorer_def=policy.scorer_def, **kw)
     return policy
+
+
+def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
+    """Export ``lkv_kvpop_mlstm``: the per-head budgets (and ``k_max``, budget) of an exported
+    ``lkv`` policy with the token scorer of an exported ``kvpop_mlstm`` one."""
+    import dataclasses
+
+    lkv, kvpop = load_scorers(lkv_dir), load_scorers(kvpop_mlstm_dir)
+    if not isinstance(lkv, LKV):
+        raise ValueError(f"{lkv_dir}: expected exported LKV scorers (scorer 'lkv'), got {lkv.name!r}")
+    if type(kvpop) is not KVpopMLSTM:
+        raise ValueError(f"{kvpop_mlstm_dir}: expected exported KVpop mLSTM scorers, got {kvpop.name!r}")
+    if tuple(lkv.params["budgets"].shape) != tuple(kvpop.scorer(kvpop.params).wi[...].shape[:2]):
+        raise ValueError(f"{lkv_dir} and {kvpop_mlstm_dir} were trained for different models (budget shape "
+                         f"{tuple(lkv.params['budgets'].shape)})")
+    ev = dataclasses.replace(kvpop.config, sinks=lkv.config.sinks, window=lkv.config.window, topk=lkv.config.topk,
+                             k_max=lkv.config.k_max)
+    combo = LKVBudgetsKVpopMLSTM(ev, params={"budgets": lkv.params["budgets"], "scorer": kvpop.params},
+                                 scorer_def=kvpop.scorer_def, chunk=kvpop.chunk)
+    meta = json.loads((Path(kvpop_mlstm_dir) / "scorer_config.json").read_text())
+    return export_scorers(combo, out_dir, base_model_name=meta.get("base_model"))

@@ -112,3 +112,19 @@ def test_bench_mode_small(tmp_path):
     assert sp[1024]["dense_vs_transformers"] == (rows[("transformers-dense", 1024)]["latency_s"]
                                                  / rows[("kvjax-dense", 1024)]["latency_s"])
     assert "| 1 | 1024 |" in (tmp_path / "results.md").read_text().split("ideal")[1]
+
+
+def test_eval_config_errors_name_the_problem():
+    import pytest
+
+    from kvjax.evaluation.config import EvalConfig
+
+    for kw, msg in [(dict(policies=["dense", "nope"]), "unknown policy 'nope'"),
+                    (dict(policies=["kvpop_mlstm"]), "'kvpop_mlstm' is a learned policy"),
+                    (dict(scorers={"h2o": "x"}), "'h2o' is a heuristic policy's name"),
+                    (dict(scorers={"a": "x"}, students={"b": "y"}), "students: label 'b' has no entry"),
+                    (dict(length_factors=[0]), "length_factors must be positive"),
+                    (dict(compressions=[1.0]), "compressions: each must be in")]:
+        with pytest.raises(ValueError, match=msg):
+            EvalConfig(**kw)
+    assert EvalConfig(scorers={"kvpop_mlstm": "x"}, policies=["dense", "kvpop_mlstm"]).policies[1] == "kvpop_mlstm"

@@ -123,3 +123,30 @@ def test_lkv_round_trip_budgets_and_pytorch_reference(tmp_path):
     np.testing.assert_array_equal(np.asarray(back.params["budgets"]), np.asarray(combo.params["budgets"]))
     meta = json.loads((tmp_path / "combo" / "scorer_config.json").read_text())
     assert meta["scorer"] == "mlstm" and meta["k_max"] == 10 and len(meta["lkv_budgets"]) == L
+
+
+def test_combine_lkv_budgets_with_a_kvpop_mlstm_export(tmp_path):
+    """``combine_lkv_budgets``: an exported LKV's budgets + an exported KVpop mLSTM scorer ->
+    ``lkv_kvpop_mlstm`` whose token priorities are the mLSTM's and budgets the LKV's."""
+    from kvjax.eviction.lkv_policies import LKVBudgetsKVpopMLSTM, lkv_policy
+    from kvjax.export import combine_lkv_budgets
+    from kvjax.lkv import LKVHeads, LKVTokenScorer
+
+    heads = LKVHeads(L, K, 8, 16, rngs=nnx.Rngs(0))
+    heads.w2.set_value(jnp.asarray(np.random.RandomState(4).randn(16).astype(np.float32)))
+    ev = EvictionConfig(sinks=1, window=W, topk=6, k_max=10)
+    lkv = lkv_policy(heads, LKVTokenScorer(L, K, D, 16, rngs=nnx.Rngs(5)), ev)
+    kvpop = from_scorer(MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3)), EvictionConfig(sinks=1, window=W, topk=9))
+    out = combine_lkv_budgets(export_scorers(lkv, tmp_path / "lkv"), export_scorers(kvpop, tmp_path / "kv"),
+                              tmp_path / "combo")
+    combo = load_scorers(out)
+    assert isinstance(combo, LKVBudgetsKVpopMLSTM) and combo.config == ev
+    np.testing.assert_array_equal(np.asarray(combo.params["budgets"]), np.asarray(lkv.params["budgets"]))
+    rs = np.random.RandomState(2)
+    k = jnp.asarray(rs.randn(1, 30, K, D).astype(np.float32))
+    v = jnp.asarray(rs.randn(1, 30, K, D).astype(np.float32))
+    t = jnp.arange(30)[None]
+    np.testing.assert_allclose(np.asarray(combo.priority(combo.params, 1, k, v, t)),
+                               np.asarray(kvpop.priority(kvpop.params, 1, k, v, t)), atol=1e-6)
+    with pytest.raises(ValueError, match="expected exported LKV scorers"):
+        combine_lkv_budgets(tmp_path / "kv", tmp_path / "kv", tmp_path / "bad")

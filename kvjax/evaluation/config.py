@@ -41,9 +41,17 @@ class EvalConfig:
         if unknown:
             raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}, "
                              f"or a label of `scorers` ({', '.join(sorted(self.scorers)) or 'none given'})")
-        clash = sorted(set(self.scorers) & (set(REGISTRY) | {"dense"}))
+        from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM
+        from kvjax.eviction.lkv_policies import LKV
+
+        heuristics = {n for n, cls in REGISTRY.items() if not issubclass(cls, (KVpopMLP, KVpopMLSTM, LKV))}
+        weightless = [p for p in self.policies if p in REGISTRY and p not in heuristics and p not in self.scorers]
+        if weightless:
+            raise ValueError(f"policies: {weightless[0]!r} is a learned policy; give its exported weights in "
+                             f"`scorers` ({weightless[0]}: folder written by kvjax.export_scorers)")
+        clash = sorted(set(self.scorers) & (heuristics | {"dense"}))
         if clash:
-            raise ValueError(f"scorers: label {clash[0]!r} is a built-in policy name; pick another label")
+            raise ValueError(f"scorers: label {clash[0]!r} is a heuristic policy's name; pick another label")
         stray = sorted(set(self.students) - set(self.scorers))
         if stray:
             raise ValueError(f"students: label {stray[0]!r} has no entry in `scorers`")
