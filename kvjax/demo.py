@@ -86,10 +86,15 @@ def main(argv=None) -> int:
         return rc
 
     _banner(5, f"jitted decode benchmark at {args.lengths} tokens of context (batch 1)")
+    import importlib.util
+
     bench = out / "bench"
+    torch_there = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+    if not torch_there:
+        print("(torch not installed: transformers is left out of the benchmark; `pip install -e '.[test]'` adds it)")
     rc = eval_cli.main(["--set", "mode=bench", "--set", f"out_dir={bench}", "--set", f"bench_lengths=[{args.lengths}]",
                         "--set", "bench_batches=[1]", "--set", "bench_budget=512", "--set", "bench_steps=8",
-                        "--set", "bench_repeats=2"])
+                        "--set", "bench_repeats=2", "--set", f"bench_transformers={str(torch_there).lower()}"])
     if rc:
         return rc
 
