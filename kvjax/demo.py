@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvjax.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo", help="folder for everything the demo writes (default runs/demo)")
     ap.add_argument("--teacher", default=str(TEACHER), help="Hugging Face folder of the testbed teacher")
-    ap.add_argument("--steps", type=int, default=40, help="KVpop distillation steps (default 40)")
+    ap.add_argument("--steps", type=int, default=200, help="KVpop distillation steps (default 200)")
     ap.add_argument("--problems", type=int, default=64, help="held-out problems in the quality table (default 64)")
     ap.add_argument("--lengths", default="1024,4096", help="decode-benchmark lengths (default 1024,4096)")
     args = ap.parse_args(argv)
