@@ -37,7 +37,7 @@ def plot_learning_curve(run_dir, out=None) -> Path:
     axes[0].set_ylabel("held-out accuracy")
     axes[0].set_ylim(0, 1.02)
     axes[0].legend()
-    fig.suptitle(f"learning curve: {run_dir.name}")
+    fig.suptitle(f"learning curve: {run_dir}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
