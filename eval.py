@@ -77,9 +77,16 @@ def run_quality(cfg) -> dict:
     base = TestbedConfig(**cfg.testbed)
     store = ResultsStore(cfg.out_dir, _fingerprint(cfg, model), resume=cfg.resume)
     policies = list(cfg.policies)
-    total = len(cfg.length_factors) * len(cfg.compressions) * len(policies) * cfg.num_problems
-    done = sum(1 for f in cfg.length_factors for c in cfg.compressions for p in policies
-               for i in range(cfg.num_problems) if record_key(f, c, p, i) in store.records)
+
+    def key(factor, comp, name, i):   # dense does not depend on the budget: evaluated once per length
+        return record_key(factor, cfg.compressions[0] if name == "dense" else comp, name, i)
+
+    def stored(factor, comp, name):   # this run's problems only (the folder may hold more)
+        return [store.records[k] for i in range(cfg.num_problems) if (k := key(factor, comp, name, i)) in store.records]
+
+    keys = {key(f, c, p, i) for f in cfg.length_factors for c in cfg.compressions for p in policies
+            for i in range(cfg.num_problems)}
+    total, done = len(keys), sum(k in store.records for k in keys)
     if done:
         print(f"resuming: {done} of {total} per-problem results already in {store.path}")
     bar = tqdm(total=total, initial=done, desc="quality", dynamic_ncols=True)
@@ -91,27 +98,26 @@ def run_quality(cfg) -> dict:
                       f"{ev.window} window + {ev.topk} top-k")
             for start in range(0, cfg.num_problems, cfg.batch_size):
                 idx = list(range(start, min(start + cfg.batch_size, cfg.num_problems)))
-                todo = [p for p in policies if not store.has(record_key(factor, comp, p, i) for i in idx)]
+                todo = [p for p in policies if not store.has(key(factor, comp, p, i) for i in idx)]
                 if not todo:
                     continue
                 ctx = BatchContext(model, batch(tb, cfg.split, start, len(idx), tb.length), ev)
                 for name in todo:
                     res = evaluate_policy(ctx, name, learned, answers=cfg.answers, students=students)
-                    store.add([{"key": record_key(factor, comp, name, i), **r} for i, r in zip(idx, res)])
+                    store.add([{"key": key(factor, comp, name, i), **r} for i, r in zip(idx, res)])
                     bar.update(len(idx))
-                    agg = aggregate(store.select(factor, comp, name))
+                    agg = aggregate(stored(factor, comp, name))
                     bar.set_postfix(policy=name, graded=f"{agg['graded']:.3f}",
                                     answer=f"{agg.get('answer', float('nan')):.3f}")
     bar.close()
     rows = []
     for factor in cfg.length_factors:
         tb = base.scaled(factor) if factor > 1 else base
-        dense = aggregate(store.select(factor, cfg.compressions[0], "dense")) if "dense" in policies else None
+        dense = aggregate(stored(factor, cfg.compressions[0], "dense")) if "dense" in policies else None
         for comp in cfg.compressions:
             ev = budget_for(tb.length, comp)
             for name in policies:
-                recs = [store.records[record_key(factor, comp, name, i)] for i in range(cfg.num_problems)]
-                agg = aggregate(recs)
+                agg = aggregate(stored(factor, comp, name))
                 row = {"length": tb.length, "compression": comp, "policy": name,
                        "budget": "dense" if name == "dense" else ev.budget, **agg}
                 if dense:

@@ -13,7 +13,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -34,10 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1024,4096", help="decode-benchmark lengths (default 1024,4096)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    for sub in ("distill-kvpop", "scorers", "quality", "bench"):   # the demo's own folders: start afresh
+        shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-
-    import sys
 
     import jax
     from flax import nnx
@@ -86,8 +89,6 @@ def main(argv=None) -> int:
         return rc
 
     _banner(5, f"jitted decode benchmark at {args.lengths} tokens of context (batch 1)")
-    import importlib.util
-
     bench = out / "bench"
     torch_there = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
     if not torch_there:

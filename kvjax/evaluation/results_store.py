@@ -65,7 +65,3 @@ class ResultsStore:
             os.fsync(f.fileno())
         for rec in records:
             self.records[rec["key"]] = rec
-
-    def select(self, factor: int, compression: float, policy: str) -> list[dict]:
-        prefix = record_key(factor, compression, policy, 0).rsplit("|", 1)[0] + "|"
-        return [r for k, r in self.records.items() if k.startswith(prefix)]
