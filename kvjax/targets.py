@@ -9,6 +9,14 @@ For query head ``g`` in the group of KV head ``h`` and causal attention probabil
 
 Tokens with no future query (``t + w >= S``) carry no target (``-inf``).
 
+``peak_future_attention`` is a hindsight oracle beside it, not a training target: the
+largest probability any single future query gives the token,
+
+    r_peak(h, t) = max_g max_{d >= t + w} log p_g(d -> t),
+
+which keeps a token that is read once, strongly, long after it was written (a fact
+looked up at the end), where the mean above divides that one read by ``N_t``.
+
 ``future_attention_target`` never forms the ``S x S`` matrix: it swaps queries and keys,
 subtracts each original query's log-sum-exp from its logits, masks ``d < t + w``, and
 accumulates a per-key log-sum-exp over query blocks (``lax.scan``). ``dense_target`` is
@@ -81,6 +89,40 @@ def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "ma
 
     acc, _ = jax.lax.scan(body, jnp.full((B, K, G, S), NEG, jnp.float32), jnp.arange(nblk))
     return _finish(acc, S, window, aggregate, eps)
+
+
+def peak_future_attention(q, k, *, window: int, lse=None, block: int = 256):
+    """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` -> ``float32 [B, Hkv, S]``: ``r_peak`` above
+    (``-inf`` where ``t + w >= S``), blockwise over queries like the mean target."""
+    B, S, H, D = q.shape
+    K = k.shape[2]
+    if H % K:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if lse is None:
+        pos = jnp.broadcast_to(jnp.arange(S), (B, S))
+        _, lse = dense_attention(q, k, k, pos, pos)
+    G = H // K
+    nblk = -(-S // block)
+    pad = nblk * block - S
+    qg = jnp.pad(_group(q, K).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    lse_g = jnp.pad(lse.reshape(B, S, K, G).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kf = k.astype(jnp.float32)
+    t = jnp.arange(S)
+
+    def body(acc_BKS, i):
+        d = i * block + jnp.arange(block)
+        qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)          # [B, C, K, G, D]
+        lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
+        logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
+        logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
+        ok = (d[:, None] >= t[None, :] + window) & (d[:, None] < S)
+        logits = jnp.where(ok, logits, NEG)
+        return jnp.maximum(acc_BKS, jnp.max(logits, axis=(2, 3))), None
+
+    acc, _ = jax.lax.scan(body, jnp.full((B, K, S), NEG, jnp.float32), jnp.arange(nblk))
+    return jnp.where(t + window < S, acc, NEG)
 
 
 def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8):

@@ -41,24 +41,24 @@ def test_quality_mode_table_plots_lengths_and_learned_scorers(tmp_path):
                                kvjax.EvictionConfig(4, 2, 10)), tmp_path / "kv")
     res = _eval(f"model={tmp_path / 'm'}", f"out_dir={tmp_path / 'out'}", "num_problems=2", "batch_size=2",
                 "testbed={length: 128, num_names: 16}", "length_factors=[1,2]",
-                f"scorers={{mine: {tmp_path / 'kv'}}}", "policies=[dense,h2o,oracle,mine]")
+                f"scorers={{mine: {tmp_path / 'kv'}}}", "policies=[dense,h2o,oracle,oracle_peak,mine]")
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads((tmp_path / "out" / "results.json").read_text())
     rows = {(r["length"], r["policy"]): r for r in out["rows"]}
-    assert len(rows) == 2 * 4 and all(r["problems"] == 2 and r["compression"] == 0.75 for r in rows.values())
+    assert len(rows) == 2 * 5 and all(r["problems"] == 2 and r["compression"] == 0.75 for r in rows.values())
     assert rows[(128, "h2o")]["budget"] == 32 and rows[(256, "mine")]["budget"] == 64
     for length in (128, 256):
         dense = rows[(length, "dense")]
         assert dense["budget"] == "dense" and abs(dense["kl"]) < 1e-6
         assert rows[(length, "oracle")]["recall"] == 1.0
-        for p in ("h2o", "mine", "oracle"):
+        for p in ("h2o", "mine", "oracle", "oracle_peak"):
             r = rows[(length, p)]
             assert 0.0 <= r["recall"] <= 1.0 and r["kl"] >= -1e-6
             rel = r["graded"] / dense["graded"] if dense["graded"] else float("nan")
             assert r["graded_rel"] == rel or (rel != rel and r["graded_rel"] != r["graded_rel"])
             assert len(r["recall_per_head"]) == cfg.num_layers and len(r["recall_per_head"][0]) == cfg.num_kv_heads
     lines = (tmp_path / "out" / "problems.jsonl").read_text().splitlines()
-    assert len(lines) == 2 * 4 * 2
+    assert len(lines) == 2 * 5 * 2                             # lengths x policies x problems
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| 128 | 0.750 | h2o | 32 |" in md and "| 256 | 0.750 | mine | 64 |" in md
     assert (tmp_path / "out" / "recall_heads.png").stat().st_size > 0

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.targets import _finish, dense_target, future_attention_target
+from kvjax.targets import _finish, dense_target, future_attention_target, peak_future_attention
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -23,6 +23,29 @@ def test_transposed_equals_dense(group, S, window, block, aggregate):
     np.testing.assert_array_equal(np.isfinite(np.asarray(got)), finite)
     assert (~finite).sum() == 2 * K * min(S, window)            # t + w >= S carries no target
     np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("S, window, block", [(50, 4, 16), (97, 1, 32), (33, 40, 8)])
+def test_peak_future_attention_equals_materialised_max(S, window, block):
+    """r_peak(h, t) = max over the group and over queries d >= t + w of log p(d -> t)."""
+    rs = np.random.RandomState(S + window)
+    q = jnp.asarray(rs.randn(2, S, 4, 8).astype(np.float32) * 2)
+    k = jnp.asarray(rs.randn(2, S, 2, 8).astype(np.float32))
+    got = np.asarray(peak_future_attention(q, k, window=window, block=block))
+    want = np.full((2, 2, S), -np.inf, np.float32)
+    qn, kn = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for b in range(2):
+        for h in range(4):
+            lg = qn[b, :, h] @ kn[b, :, h // 2].T / np.sqrt(8)                 # [S(query), S(key)]
+            lg = np.where(np.tril(np.ones((S, S), bool)), lg, -np.inf)
+            lp = lg - np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1, keepdims=True)) - lg.max(1, keepdims=True)
+            for t in range(S - window):
+                want[b, h // 2, t] = max(want[b, h // 2, t], lp[t + window:, t].max())
+    finite = np.isfinite(want)
+    assert finite.sum() == 2 * 2 * max(S - window, 0)
+    np.testing.assert_array_equal(np.isfinite(got), finite)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    assert (got[finite] <= 1e-6).all()                                              # log of a probability
 
 
 def test_sparse_lse_is_reused():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvjax.data.vocab import MAX_NAMES, MAX_VALUES, OPERATORS
 
-DERIVED_LEN = 10  # `keep n v + n v -> n v ;`, the longest non-scratch line
+DERIVED_LEN = 11  # `keep n v + n v -> r n r ;`, the longest non-scratch line
 
 
 def scratch_len(steps: int) -> int:

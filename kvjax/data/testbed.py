@@ -4,13 +4,13 @@ A problem is a word-level trace whose memory demands mimic math reasoning:
 
     <bos> facts : keep a3 7 ; let q0 2 ; ... trace :            <- prompt
     work 4 + 5 -> 9 - 3 -> 6 ;                                 <- scratch (local)
-    keep a3 7 + 2 -> m1 9 ;                                    <- reuse a3, bind m1
-    let 3 * 4 -> c2 2 ;   keep k5 1 ;   use m1 9 - 5 -> 4 ;    <- facts, reuse
+    keep a3 7 + 2 -> 9 m1 9 ;                                  <- reuse a3, bind m1
+    let 3 * 4 -> 2 c2 2 ;   keep k5 1 ;   use m1 9 - 5 -> 4 ;  <- facts, reuse
     ...
     query m1 + a3 - k5 ; answer m1 9 -> 9 + a3 7 -> 6 - k5 1 -> 5 ; <eos>
 
 * Facts (`NAME value`) are bound by definitions in the prompt and in the
-  trace, and by derived lines (`... -> NAME value`). Names never rebind, so a
+  trace, and by derived lines (`... -> r NAME r`). Names never rebind, so a
   later `NAME` is followed by a copy of its value: a lookup, graded
   `lookup_near` or `lookup_far` by its distance to the nearest earlier
   occurrence of that value (`far` when the distance exceeds
@@ -18,6 +18,11 @@ A problem is a word-level trace whose memory demands mimic math reasoning:
   a lookup is then the plain induction copy "after this token came that one",
   which a 2-layer model learns in ~150 steps, where `NAME = value` (the value
   two tokens after the name) left the lookups at chance for 600+ steps.
+* A derived line computes its result right after `->` and then binds it,
+  `-> r NAME r`: the bound value is a copy of the token two back. Written
+  `-> NAME r`, the result had to be computed at the (unpredictable) name, one
+  step removed from its operands, and the 2-layer teacher stayed at chance
+  (10%) on exactly those results while reaching 100% on every other one.
 * The marker predicts reuse: a `keep` fact is scheduled for a later reference
   with probability `keep_reuse` (0.8), a `let` fact with `let_reuse` (0.15);
   `work` scratch lines and `use` lines bind nothing and are never referenced.
@@ -208,7 +213,7 @@ class _Builder:
         self.add_fact(name, kind, pos, value)
 
     def derived(self, refs: list[int], bind: bool) -> None:
-        """`keep x 3 + 2 -> NAME 5 ;` (binds) or `use x 3 + 2 -> 5 ;`."""
+        """`keep x 3 + 2 -> 5 NAME 5 ;` (binds) or `use x 3 + 2 -> 5 ;`."""
         kind = self.marker() if bind else "use"
         self.start_line(kind)
         operands = refs + [-1] * (2 - len(refs))
@@ -217,13 +222,13 @@ class _Builder:
         op = self.operator()
         b = self.lookup(operands[1], True) if operands[1] >= 0 else self.literal()
         self.words("->")
+        result = self.compute(op, a, b)
         if bind:
             name = self.free_names.pop()
             self.emit(name_id(name))
-        result = self.compute(op, a, b)
+            copy = self.emit(number_id(result[1]), OTHER, (result[0], -1))
+            self.add_fact(name, kind, copy, result[1])
         self.words(";")
-        if bind:
-            self.add_fact(name, kind, *result)
 
     def recall(self, name: int) -> None:
         """`use NAME v ;`: a lookup on its own (curriculum lines, ``recall_prob``)."""

@@ -37,6 +37,9 @@ def _kl_rows(dense_BSV, sparse_BSV, mask_BS) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(jnp.sum(kl * m, 1)), np.asarray(jnp.sum(m, 1))
 
 
+ORACLES = {"oracle": "mean", "oracle_peak": "peak"}   # policy name -> oracle_priorities kind
+
+
 class BatchContext:
     """Per-batch quantities every policy shares: dense logits, oracle priorities (over the
     full trace plus the generated answer's room) and the oracle's kept set at the answer."""
@@ -47,14 +50,15 @@ class BatchContext:
         self.dense = kvjax.forward(model, self.tokens)
         self.graded = jnp.asarray(batch["category"] != OTHER)
         self.prompts_len = batch["answer_start"]
-        self._oracle = None
+        self._oracle: dict[str, jax.Array] = {}
         self._oracle_lr = None
 
-    def oracle_params(self):
-        if self._oracle is None:
+    def oracle_params(self, kind: str = "mean"):
+        """Hindsight priorities ``[L, B, K, S + room]`` of ``kind`` (``mean``: KVpop's target)."""
+        if kind not in self._oracle:
             padded = np.pad(self.tokens, ((0, 0), (0, ANSWER_MAX_NEW)))
-            self._oracle = oracle_priorities(self.model, padded, self.ev.window)
-        return self._oracle
+            self._oracle[kind] = oracle_priorities(self.model, padded, self.ev.window, kind)
+        return self._oracle[kind]
 
     def oracle_long_range(self):
         if self._oracle_lr is None:
@@ -69,7 +73,7 @@ def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext
         return None
     if name in learned:
         return rebudget(learned[name], ev)
-    return make_policy(name, ev, params=ctx.oracle_params() if name == "oracle" else None)
+    return make_policy(name, ev, params=ctx.oracle_params(ORACLES[name]) if name in ORACLES else None)
 
 
 def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool = True,

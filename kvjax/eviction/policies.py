@@ -12,6 +12,7 @@ attention followed by selection, as kvpress does.
 | random         | a seeded hash of (layer, head, ``t``)                                 |
 | knorm          | ``-||k_t||_2`` (low key norm = important)                             |
 | oracle         | given: the dense teacher's future attention (known in hindsight)      |
+| oracle_peak    | given, like ``oracle``; by convention the peak single-query attention  |
 | tova           | attention from the latest query (mean over the KV head's group)        |
 | h2o            | attention accumulated over all queries so far                          |
 | snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions (kernel ``pool``); in decoding, every ``obs`` steps all slots are re-ranked by the attention of the ``obs`` queries since the last refresh (no pooling: slots are not contiguous) |
@@ -76,10 +77,19 @@ class Oracle(BoundedPolicy):
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if params is None:
-            raise ValueError("the oracle policy needs priorities: Oracle(config, params=array [L, B, K, T])")
+            raise ValueError(f"the {self.name} policy needs priorities: "
+                             f"{type(self).__name__}(config, params=array [L, B, K, T])")
         table = params[layer]                                            # [B, K, T]
         idx = jnp.clip(t_BS, 0, table.shape[-1] - 1)[:, None, :]
         return jnp.take_along_axis(table, jnp.broadcast_to(idx, table.shape[:2] + idx.shape[-1:]), axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class OraclePeak(Oracle):
+    """The oracle's mechanism under its own name, so a table can hold both hindsight
+    rankings: ``params`` are :func:`kvjax.targets.peak_future_attention` per layer."""
+
+    name: ClassVar[str] = "oracle_peak"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +153,7 @@ from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM  # noqa: E402  (learned 
 from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM  # noqa: E402
 
 REGISTRY: dict[str, type[BoundedPolicy]] = {
-    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
+    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, OraclePeak, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
                               LKV, LKVBudgetsKVpopMLSTM)}
 
 
