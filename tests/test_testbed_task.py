@@ -11,6 +11,7 @@ from kvjax.data import (
     EOS_ID,
     LINE_KINDS,
     LOOKUP_FAR,
+    OTHER,
     LOOKUP_NEAR,
     PAD_ID,
     VOCAB_SIZE,
@@ -91,6 +92,9 @@ def _check_problem(cfg, p):
     for i in np.flatnonzero(cat == COMPUTE):
         a, b = deps[i]
         assert 0 < a < b < i and i - a <= 8, "arithmetic is local"
+        assert TOKENS[t[i - 1]] == "->", "a result is computed right after its arrow"
+        if is_name(t[i + 1]):                       # `-> r NAME r`: the binding copies the result
+            assert t[i + 2] == t[i] and cat[i + 2] == OTHER and deps[i + 2, 0] == i
         op = TOKENS[t[a + 1]]
         assert id_to_number(t[i]) == apply_op(op, id_to_number(t[a]), id_to_number(t[b]), cfg.num_values)
     values = [id_to_number(x) for x in t if id_to_number(x) is not None]
