@@ -13,8 +13,9 @@ import jax.numpy as jnp
 NEG_INF = -1e30
 
 
-def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None):
-    """Returns ``(out [B, S, Hq, D] in q's dtype, lse [B, S, Hq] float32)``."""
+def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None, visible_BST=None):
+    """Returns ``(out [B, S, Hq, D] in q's dtype, lse [B, S, Hq] float32)``; ``visible_BST``
+    (optional bool) further restricts which keys each query sees."""
     B, S, Hq, D = q_BSHD.shape
     K = k_BTKD.shape[2]
     G = Hq // K
@@ -24,6 +25,8 @@ def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None)
     allowed_BST = k_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
     if k_valid_BT is not None:
         allowed_BST = allowed_BST & k_valid_BT[:, None, :]
+    if visible_BST is not None:
+        allowed_BST = allowed_BST & visible_BST
     logits_BKGST = jnp.where(allowed_BST[:, None, None], logits_BKGST, NEG_INF)
     m = jnp.max(logits_BKGST, axis=-1, keepdims=True)
     p = jnp.exp(logits_BKGST - m)

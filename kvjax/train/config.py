@@ -84,10 +84,16 @@ class Phase:
     trainable: list[str] = field(default_factory=list)     # regexes on parameter paths; [] = all
     lr_scale: float = 1.0
     batch_size: int | None = None                          # default: data.batch_size
+    key_dropout: float = 0.0          # pretrain: drop each key (outside the window) with this rate
+    key_dropout_window: int = 16      # ... never the most recent keys of a query (kvjax.train.key_dropout)
 
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"phase steps must be >= 1, got {self.steps}")
+        if not 0.0 <= self.key_dropout < 1.0:
+            raise ValueError(f"phase key_dropout must be in [0, 1), got {self.key_dropout}")
+        if self.key_dropout_window < 1:
+            raise ValueError(f"phase key_dropout_window must be >= 1, got {self.key_dropout_window}")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.train.config import TrainConfig
+from kvjax.train.key_dropout import key_dropout_attention, rate_at
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
 from kvjax.train.steps import lm_loss
@@ -39,10 +40,19 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
     model = build_model(cfg.model, cfg.seed, abstract=abstract)
     graphdef, params = split_params(model)
     loss_on_trace = cfg.data.loss_on == "trace"
+    phases = cfg.all_phases()
+    rates, windows = [p.key_dropout for p in phases], {p.key_dropout_window for p in phases if p.key_dropout}
+    if len(windows) > 1:
+        raise ValueError(f"phases with key_dropout must share one key_dropout_window, got {sorted(windows)}")
 
     def loss_fn(p, frozen, batch, rng, step):
         m = nnx.merge(graphdef, p)
-        h, _ = m(batch["tokens"])
+        if any(rates):
+            rate = rate_at(rates, [q.steps for q in phases], step)
+            backend = key_dropout_attention(rng, rate, next(iter(windows)))
+            h, _ = m(batch["tokens"], None, backend, None)
+        else:
+            h, _ = m(batch["tokens"])
         mask = batch["loss_mask"]
         if loss_on_trace:
             mask = mask & (jnp.arange(mask.shape[1])[None] >= batch["prompt_len"][:, None])
