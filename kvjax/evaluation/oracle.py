@@ -2,7 +2,14 @@
 
 ``kind="mean"``: KVpop's training target (mean future attention mass, the seed's
 Figure 7 oracle). ``kind="peak"``: the largest attention any single future query
-pays the token (:func:`kvjax.targets.peak_future_attention`).
+pays the token (:func:`kvjax.targets.peak_future_attention`). ``kind="union"``: the
+larger of the token's two percentile ranks (among the tokens with a future), so a token
+is kept when either ranking wants it.
+
+Measured on testbed teachers (256 tokens, 75% compression, 100 problems): the mean
+keeps the recent structure an answer line copies from but loses far facts read once
+(far lookups 60% vs dense 93%); the peak keeps the far facts (92%) but not that
+structure (answers 30% vs 71%); the union keeps both better (91%, answers 50%).
 """
 
 from __future__ import annotations
@@ -16,7 +23,15 @@ from flax import nnx
 from kvjax.models.attention import dense_attention
 from kvjax.targets import future_attention_target, peak_future_attention
 
-KINDS = ("mean", "peak")
+KINDS = ("mean", "peak", "union")
+
+
+def _percentile(x_BKS):
+    """Rank of each finite entry among the finite ones of its row, in [0, 1)."""
+    finite = jnp.isfinite(x_BKS)
+    ranks = jnp.argsort(jnp.argsort(jnp.where(finite, x_BKS, -jnp.inf), axis=-1), axis=-1)
+    missing = jnp.sum(~finite, axis=-1, keepdims=True)
+    return (ranks - missing).astype(jnp.float32) / x_BKS.shape[-1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
@@ -27,11 +42,15 @@ def _oracle(graphdef, params, tokens_BS, window: int, kind: str):
         out, lse = dense_attention(q, k, v, positions, positions)
         if kind == "peak":
             tgt = peak_future_attention(q, k, window=window, lse=lse)
-        else:
+        elif kind == "mean":
             tgt = future_attention_target(q, k, window=window, lse=lse)
+        else:
+            peak = peak_future_attention(q, k, window=window, lse=lse)
+            mean = future_attention_target(q, k, window=window, lse=lse)
+            tgt = jnp.where(jnp.isfinite(mean), jnp.maximum(_percentile(peak), _percentile(mean)), -jnp.inf)
         # tokens with no future query rank by recency (they sit in the window anyway)
         t = jnp.arange(q.shape[1], dtype=jnp.float32)
-        tgt = jnp.where(jnp.isfinite(tgt), tgt, -1e9 + t)
+        tgt = jnp.where(jnp.isfinite(tgt), tgt, -1e6 + t)   # exact integers in float32
         return out, targets + (tgt,)
 
     _, targets = model(tokens_BS, None, capture, ())

@@ -37,7 +37,7 @@ def _kl_rows(dense_BSV, sparse_BSV, mask_BS) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(jnp.sum(kl * m, 1)), np.asarray(jnp.sum(m, 1))
 
 
-ORACLES = {"oracle": "mean", "oracle_peak": "peak"}   # policy name -> oracle_priorities kind
+ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}   # policy name -> oracle_priorities kind
 
 
 class BatchContext:

@@ -13,6 +13,7 @@ attention followed by selection, as kvpress does.
 | knorm          | ``-||k_t||_2`` (low key norm = important)                             |
 | oracle         | given: the dense teacher's future attention (known in hindsight)      |
 | oracle_peak    | given, like ``oracle``; by convention the peak single-query attention  |
+| oracle_union   | given, like ``oracle``; by convention the better of the two ranks above |
 | tova           | attention from the latest query (mean over the KV head's group)        |
 | h2o            | attention accumulated over all queries so far                          |
 | snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions (kernel ``pool``); in decoding, every ``obs`` steps all slots are re-ranked by the attention of the ``obs`` queries since the last refresh (no pooling: slots are not contiguous) |
@@ -93,6 +94,13 @@ class OraclePeak(Oracle):
 
 
 @dataclasses.dataclass(frozen=True)
+class OracleUnion(Oracle):
+    """The oracle's mechanism for ``kvjax.evaluation.oracle_priorities(kind="union")``."""
+
+    name: ClassVar[str] = "oracle_union"
+
+
+@dataclasses.dataclass(frozen=True)
 class TOVA(BoundedPolicy):
     name: ClassVar[str] = "tova"
     static: ClassVar[bool] = False
@@ -153,7 +161,7 @@ from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM  # noqa: E402  (learned 
 from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM  # noqa: E402
 
 REGISTRY: dict[str, type[BoundedPolicy]] = {
-    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, OraclePeak, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
+    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, OraclePeak, OracleUnion, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
                               LKV, LKVBudgetsKVpopMLSTM)}
 
 
