@@ -52,20 +52,16 @@ def _finish(log_mass_BKGS, S: int, window: int, aggregate: str, eps: float):
     return jnp.where(t + window < S, out, NEG)
 
 
-def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8,
-                            block: int = 256):
-    """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` (post-RoPE) -> ``float32 [B, Hkv, S]`` log future mass.
-
-    ``lse [B, S, Hq]``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
-    """
+def _scan_future(q, k, window: int, lse, block: int, reduce: str):
+    """Per-key reduction over queries ``d >= t + w`` of ``log p(d -> t)``, blockwise over
+    queries: ``reduce="sum"`` gives the log of the summed mass, ``"max"`` the log of the
+    largest probability; ``float32 [B, Hkv, G, S]``, never forming ``S x S``."""
     B, S, H, D = q.shape
     K = k.shape[2]
     if H % K:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if aggregate not in ("max", "mean"):
-        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
     if lse is None:
         pos = jnp.broadcast_to(jnp.arange(S), (B, S))
         _, lse = dense_attention(q, k, k, pos, pos)
@@ -85,44 +81,32 @@ def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "ma
         logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
         ok = (d[:, None] >= t[None, :] + window) & (d[:, None] < S)
         logits = jnp.where(ok, logits, NEG)
-        return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
+        if reduce == "sum":
+            return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
+        return jnp.maximum(acc_BKGS, jnp.max(logits, axis=3)), None
 
     acc, _ = jax.lax.scan(body, jnp.full((B, K, G, S), NEG, jnp.float32), jnp.arange(nblk))
-    return _finish(acc, S, window, aggregate, eps)
+    return acc
+
+
+def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8,
+                            block: int = 256):
+    """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` (post-RoPE) -> ``float32 [B, Hkv, S]`` log future mass.
+
+    ``lse [B, S, Hq]``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
+    """
+    if aggregate not in ("max", "mean"):
+        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+    acc = _scan_future(q, k, window, lse, block, "sum")
+    return _finish(acc, q.shape[1], window, aggregate, eps)
 
 
 def peak_future_attention(q, k, *, window: int, lse=None, block: int = 256):
     """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` -> ``float32 [B, Hkv, S]``: ``r_peak`` above
     (``-inf`` where ``t + w >= S``), blockwise over queries like the mean target."""
-    B, S, H, D = q.shape
-    K = k.shape[2]
-    if H % K:
-        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    if lse is None:
-        pos = jnp.broadcast_to(jnp.arange(S), (B, S))
-        _, lse = dense_attention(q, k, k, pos, pos)
-    G = H // K
-    nblk = -(-S // block)
-    pad = nblk * block - S
-    qg = jnp.pad(_group(q, K).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    lse_g = jnp.pad(lse.reshape(B, S, K, G).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    kf = k.astype(jnp.float32)
-    t = jnp.arange(S)
-
-    def body(acc_BKS, i):
-        d = i * block + jnp.arange(block)
-        qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)          # [B, C, K, G, D]
-        lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
-        logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
-        logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
-        ok = (d[:, None] >= t[None, :] + window) & (d[:, None] < S)
-        logits = jnp.where(ok, logits, NEG)
-        return jnp.maximum(acc_BKS, jnp.max(logits, axis=(2, 3))), None
-
-    acc, _ = jax.lax.scan(body, jnp.full((B, K, S), NEG, jnp.float32), jnp.arange(nblk))
-    return jnp.where(t + window < S, acc, NEG)
+    S = q.shape[1]
+    acc = jnp.max(_scan_future(q, k, window, lse, block, "max"), axis=2)
+    return jnp.where(jnp.arange(S) + window < S, acc, NEG)
 
 
 def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8):
