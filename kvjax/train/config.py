@@ -41,6 +41,7 @@ class DataSection:
     seq_len: int = 512
     batch_size: int = 32
     loss_on: Literal["all", "trace"] = "all"                # 'trace': not on the prompt
+    lookup_weight: float = 1.0                              # testbed: loss weight of lookup tokens
     eval_problems: int = 256
     seed: int = 0
 
@@ -51,6 +52,10 @@ class DataSection:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
         if self.source == "tokens" and not self.path:
             raise ValueError("data.path is required when data.source is 'tokens'")
+        if self.lookup_weight <= 0:
+            raise ValueError(f"data.lookup_weight must be > 0, got {self.lookup_weight}")
+        if self.lookup_weight != 1.0 and self.source != "testbed":
+            raise ValueError("data.lookup_weight needs data.source 'testbed' (token files have no lookup labels)")
 
 
 @dataclass(frozen=True)

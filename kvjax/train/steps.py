@@ -18,7 +18,7 @@ import optax
 
 
 def lm_loss(logits_BSV, targets_BS, mask_BS):
-    """Mean next-token cross entropy over ``mask``: ``-sum m log p(x_{t+1} | x_<=t) / sum m``."""
+    """Mean next-token cross entropy over ``mask`` (bool, or float weights): ``-sum m log p(x_{t+1} | x_<=t) / sum m``."""
     logp = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets_BS[:, 1:, None], axis=-1)[..., 0]
     m = mask_BS[:, 1:].astype(jnp.float32)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.data.testbed import LOOKUP_FAR, LOOKUP_NEAR
 from kvjax.train.config import TrainConfig
 from kvjax.train.key_dropout import key_dropout_attention, rate_at
 from kvjax.train.model_init import build_model
@@ -40,6 +41,7 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
     model = build_model(cfg.model, cfg.seed, abstract=abstract)
     graphdef, params = split_params(model)
     loss_on_trace = cfg.data.loss_on == "trace"
+    weigh_lookups = cfg.data.lookup_weight != 1.0
     phases = cfg.all_phases()
     rates, windows = [p.key_dropout for p in phases], {p.key_dropout_window for p in phases if p.key_dropout}
     if len(windows) > 1:
@@ -56,9 +58,13 @@ def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:
         mask = batch["loss_mask"]
         if loss_on_trace:
             mask = mask & (jnp.arange(mask.shape[1])[None] >= batch["prompt_len"][:, None])
+        if weigh_lookups:  # lookups are few and the answer hangs on them: give them more of the loss
+            is_lookup = (batch["category"] == LOOKUP_NEAR) | (batch["category"] == LOOKUP_FAR)
+            mask = mask * jnp.where(is_lookup, cfg.data.lookup_weight, 1.0)
         return lm_loss(m.logits(h), batch["tokens"], mask), {}
 
-    keys = ("tokens", "loss_mask") + (("prompt_len",) if loss_on_trace else ())
+    keys = (("tokens", "loss_mask") + (("prompt_len",) if loss_on_trace else ())
+            + (("category",) if weigh_lookups else ()))
     return Task(graphdef, params, loss_fn, keys)
 
 
