@@ -5,7 +5,9 @@ Mode ``quality``: for each length factor (``length_factors``: 1 = the testbed le
 compression ratio and policy, on ``num_problems`` held-out testbed problems: teacher-forced
 accuracy per token category (lookup near / far, compute) and KL to the dense teacher,
 answer accuracy under free generation, both relative to dense (the seeds' "Rel"), and
-top-k retention recall against the oracle per layer and head. Learned policies come from
+top-k retention recall against the oracle per layer and head; for learned policies, on the
+first batch, the largest logit difference between the one-pass sparse path and the
+token-by-token decode path (``decode_diff``, with ``decode_agree``). Learned policies come from
 exported scorers (``scorers: {label: folder}``), each on its distilled student model
 (``students: {label: hf_folder}``). Per-problem results are appended to
 ``out_dir/problems.jsonl`` as they complete, so rerunning an interrupted command resumes it.
@@ -28,7 +30,7 @@ from pathlib import Path
 
 
 QUALITY_COLS = ["length", "compression", "policy", "budget", "lookup_far", "lookup_near", "compute", "graded",
-                "graded_rel", "kl", "answer", "answer_rel", "recall", "problems"]
+                "graded_rel", "kl", "answer", "answer_rel", "recall", "decode_diff", "problems"]
 
 
 def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
@@ -103,7 +105,11 @@ def run_quality(cfg) -> dict:
                     continue
                 ctx = BatchContext(model, batch(tb, cfg.split, start, len(idx), tb.length), ev)
                 for name in todo:
-                    res = evaluate_policy(ctx, name, learned, answers=cfg.answers, students=students)
+                    # learned policies: on the first batch at the first length, check that the
+                    # one-pass sparse logits equal the token-by-token decode path's (real weights)
+                    check = name in learned and start == 0 and factor == cfg.length_factors[0]
+                    res = evaluate_policy(ctx, name, learned, answers=cfg.answers, students=students,
+                                          path_check=check)
                     store.add([{"key": key(factor, comp, name, i), **r} for i, r in zip(idx, res)])
                     bar.update(len(idx))
                     agg = aggregate(stored(factor, comp, name))

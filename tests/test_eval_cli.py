@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 from flax import nnx
 
 import kvjax
@@ -57,6 +58,9 @@ def test_quality_mode_table_plots_lengths_and_learned_scorers(tmp_path):
             rel = r["graded"] / dense["graded"] if dense["graded"] else float("nan")
             assert r["graded_rel"] == rel or (rel != rel and r["graded_rel"] != r["graded_rel"])
             assert len(r["recall_per_head"]) == cfg.num_layers and len(r["recall_per_head"][0]) == cfg.num_kv_heads
+    # the learned policy's sparse logits equal its decode path's, checked on the first length only
+    assert rows[(128, "mine")]["decode_diff"] < 1e-3 and rows[(128, "mine")]["decode_agree"] == 1.0
+    assert "decode_diff" not in rows[(256, "mine")] and "decode_diff" not in rows[(128, "h2o")]
     lines = (tmp_path / "out" / "problems.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 5 * 2                             # lengths x policies x problems
     md = (tmp_path / "out" / "results.md").read_text()
@@ -128,3 +132,14 @@ def test_eval_config_errors_name_the_problem():
         with pytest.raises(ValueError, match=msg):
             EvalConfig(**kw)
     assert EvalConfig(scorers={"kvpop_mlstm": "x"}, policies=["dense", "kvpop_mlstm"]).policies[1] == "kvpop_mlstm"
+
+
+def test_path_check_measures_only_real_tokens():
+    from kvjax.evaluation.quality import _path_check
+
+    a = np.zeros((2, 5, 3), np.float32)
+    a[:, :, 0] = 1.0
+    b = a.copy()
+    b[0, 2, 1] = 3.0      # row 0: one position disagrees (argmax flips), diff 3
+    b[1, 4, 2] = 9.0      # row 1: beyond its length 4, ignored
+    assert _path_check(a, b, np.array([5, 4])) == [[3.0, 0.8], [0.0, 1.0]]

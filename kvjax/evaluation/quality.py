@@ -77,10 +77,13 @@ def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext
 
 
 def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool = True,
-                    recall: bool = True, students: dict | None = None) -> list[dict]:
+                    recall: bool = True, students: dict | None = None, path_check: bool = False) -> list[dict]:
     """Per-problem results of policy ``name`` on the batch: category counts, KL to the dense
     teacher, answer, retention recall ``[L][K]`` and the kept positions ``[L][K][slots]``.
-    A learned policy runs on its distilled student (``students[name]``) when given."""
+    A learned policy runs on its distilled student (``students[name]``) when given.
+    ``path_check`` (static policies): also run the trace token by token through the decode
+    path and record, per problem, the largest logit difference from the one-pass sparse
+    path and the fraction of positions whose argmax agrees (``path_check: [diff, agree]``)."""
     model, b = (students or {}).get(name, ctx.model), ctx.b
     pol = build_policy(name, ctx.ev, learned, ctx)
     if pol is None:
@@ -88,6 +91,9 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
     else:
         logits = sparse_logits(model, ctx.tokens, pol) if pol.static else stepwise_logits(model, ctx.tokens, pol)
     pred = predictions_from_logits(np.asarray(logits))
+    check = [None] * len(ctx.tokens)
+    if path_check and pol is not None and pol.static:
+        check = _path_check(logits, stepwise_logits(model, ctx.tokens, pol), ctx.b["length"])
     kl_sum, kl_n = _kl_rows(ctx.dense, logits, ctx.graded)
     n = len(ctx.tokens)
     right = [None] * n
@@ -106,8 +112,20 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
     for i in range(n):
         counts = category_counts(pred[i : i + 1], ctx.tokens[i : i + 1], b["category"][i : i + 1])
         results.append({"counts": {k: list(v) for k, v in counts.items()}, "kl": [float(kl_sum[i]), float(kl_n[i])],
-                        "answer": right[i], "recall": rec[i], "kept": kept[i]})
+                        "answer": right[i], "recall": rec[i], "kept": kept[i]}
+                       | ({"path_check": check[i]} if check[i] is not None else {}))
     return results
+
+
+def _path_check(sparse_BSV, decode_BSV, length_B) -> list[list[float]]:
+    """Per row, over its real tokens: ``[max |sparse - decode| logit, argmax agreement]``."""
+    sparse, decode = np.asarray(sparse_BSV, np.float32), np.asarray(decode_BSV, np.float32)
+    out = []
+    for i, n in enumerate(np.asarray(length_B)):
+        diff = float(np.abs(sparse[i, :n] - decode[i, :n]).max())
+        agree = float((sparse[i, :n].argmax(-1) == decode[i, :n].argmax(-1)).mean())
+        out.append([round(diff, 6), round(agree, 6)])
+    return out
 
 
 def aggregate(records: list[dict]) -> dict:
@@ -122,6 +140,10 @@ def aggregate(records: list[dict]) -> dict:
     answered = [r["answer"] for r in records if r["answer"] is not None]
     if answered:
         out["answer"] = float(np.mean(answered))
+    checks = [r["path_check"] for r in records if r.get("path_check") is not None]
+    if checks:
+        out["decode_diff"] = max(c[0] for c in checks)
+        out["decode_agree"] = float(np.mean([c[1] for c in checks]))
     recalls = [np.asarray(r["recall"], np.float64) for r in records if r.get("recall") is not None]
     if recalls:
         stack = np.where(np.stack(recalls) < 0, np.nan, np.stack(recalls))   # [P, L, K]
