@@ -69,6 +69,26 @@ def test_incompatible_checkpoint_is_refused(tmp_path):
         train(other, quiet=True)
 
 
+def test_checkpoint_of_another_starting_model_is_refused(tmp_path):
+    """A run from ``model.hf_path`` does not resume when the weights there changed (a retrained
+    teacher under the same path), even with an identical config."""
+    from flax import nnx
+
+    import kvjax
+
+    def save(seed):
+        kvjax.save_hf(kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(seed)),
+                      tmp_path / "start")
+
+    save(0)
+    cfg = lambda steps: tiny_config(tmp_path / "run", steps=steps, **{"model": {"hf_path": str(tmp_path / "start")}})
+    train(cfg(2), quiet=True)
+    assert train(cfg(3), quiet=True)["resumed_from"] == 2    # same weights: resumes
+    save(1)
+    with pytest.raises(CheckpointError, match="its 'model_weights' differs"):
+        train(cfg(4), quiet=True)
+
+
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     cfg = tiny_config(tmp_path / "run", steps=100000)
     from kvjax.configio import to_dict

@@ -3,6 +3,7 @@ evaluation, checkpoints with exact resume, and clean exit on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -71,10 +72,29 @@ def _phase_at(phases, step: int):
 
 
 def meta_for(cfg: TrainConfig) -> dict:
-    """What a checkpoint must share with the run resuming it."""
+    """What a checkpoint must share with the run resuming it (with ``model.hf_path``, also the
+    weights found there: a retrained teacher at the same path does not resume a stale run)."""
     d = to_dict(cfg)
-    return {"mode": cfg.mode, "model": d["model"], "phases": d["phases"], "data": d["data"],
+    meta = {"mode": cfg.mode, "model": d["model"], "phases": d["phases"], "data": d["data"],
             "optim": d["optim"], "eviction": d["eviction"], "seed": cfg.seed}
+    if cfg.model.hf_path:
+        meta["model_weights"] = weights_fingerprint(cfg.model.hf_path)
+    return meta
+
+
+def weights_fingerprint(directory, sample: int = 1 << 20) -> str:
+    """A cheap fingerprint of the ``*.safetensors`` under ``directory``: each file's name, size
+    and its first and last ``sample`` bytes (retrained weights differ there; no full read)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(sample))
+            if size > sample:
+                fh.seek(max(size - sample, sample))
+                h.update(fh.read(sample))
+    return h.hexdigest()[:16]
 
 
 def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = False) -> dict:
@@ -174,7 +194,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     bar.close()
     if log:
         log.close()
-    summary.update(steps=total, params_tree=params)
+    summary.update(steps=total, resumed_from=start, params_tree=params)
     if cfg.save_hf:
         host_params = _to_host(params)
         if lead:
