@@ -19,13 +19,17 @@ test: install
 demo: install
 	$(PY) -m kvjax.demo
 
-# The testbed teacher from scratch (seeded; see configs/testbed-teacher.yaml for its time on 2 cores):
-# trains, copies the Hugging Face folder to assets/, and plots the learning curve next to it.
+# The testbed teacher from scratch (seeded; the README gives its time on 2 cores): stage 1
+# (curriculum), stage 2 (polish) and stage 3 (sharpen), each from the previous one's weights;
+# copies the Hugging Face folder to assets/ and plots the learning curve of all stages.
+TEACHER_STAGES = runs/testbed-teacher runs/testbed-teacher-polish runs/testbed-teacher-sharpen
 teacher: install
 	$(PY) train.py --config configs/testbed-teacher.yaml
-	rm -rf assets/testbed-teacher.tmp && cp -r runs/testbed-teacher/hf assets/testbed-teacher.tmp
+	$(PY) train.py --config configs/testbed-teacher-polish.yaml
+	$(PY) train.py --config configs/testbed-teacher-sharpen.yaml
+	rm -rf assets/testbed-teacher.tmp && cp -r runs/testbed-teacher-sharpen/hf assets/testbed-teacher.tmp
 	rm -rf assets/testbed-teacher && mv assets/testbed-teacher.tmp assets/testbed-teacher
-	$(PY) -m kvjax.evaluation.learning_curve runs/testbed-teacher --out assets/testbed-teacher-curve.png
+	$(PY) -m kvjax.evaluation.learning_curve $(TEACHER_STAGES) --out assets/testbed-teacher-curve.png
 
 # The quality table (README): distil KVpop (mLSTM, MLP) and LKV from the shipped teacher,
 # export the scorers, combine LKV budgets with the KVpop mLSTM scorer, evaluate every policy.
