@@ -10,7 +10,8 @@ first batch, the largest logit difference between the one-pass sparse path and t
 token-by-token decode path (``decode_diff``, with ``decode_agree``). Learned policies come from
 exported scorers (``scorers: {label: folder}``), each on its distilled student model
 (``students: {label: hf_folder}``). Per-problem results are appended to
-``out_dir/problems.jsonl`` as they complete, so rerunning an interrupted command resumes it.
+``out_dir/problems.jsonl`` as they complete, so rerunning an interrupted command resumes it;
+after a scorer or student is retrained, only that policy's results are recomputed.
 Writes ``results.json``, ``results.md``, ``recall_heads.png`` and ``eviction_map.png``.
 
 Mode ``bench`` (``--set mode=bench``): jitted decode latency, tokens/s, KV-cache bytes and
@@ -44,8 +45,9 @@ def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
     return "\n".join(out) + "\n"
 
 
-def _fingerprint(cfg, model) -> dict:
-    """What per-problem results depend on (a changed model or scorer file changes it)."""
+def _fingerprint(cfg, model) -> tuple[dict, dict]:
+    """What per-problem results depend on: ``(run, {label: its scorer / student files})``.
+    A changed model invalidates every result, a changed scorer or student only its policy's."""
     import hashlib
 
     from kvjax.export import config_hash
@@ -57,11 +59,14 @@ def _fingerprint(cfg, model) -> dict:
             h.update(f.read_bytes())
         return h.hexdigest()[:16]
 
-    return {"model": str(cfg.model), "model_config": config_hash(model.config),
-            "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
-            "answers": cfg.answers, "batch_size": cfg.batch_size,
-            "scorers": {k: [v, digest(Path(v))] for k, v in sorted(cfg.scorers.items())},
-            "students": {k: [v, digest(Path(v))] for k, v in sorted(cfg.students.items())}}
+    run = {"model": str(cfg.model), "model_config": config_hash(model.config),
+           "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
+           "answers": cfg.answers, "batch_size": cfg.batch_size}
+    policies: dict[str, dict] = {}
+    for part, paths in (("scorer", cfg.scorers), ("student", cfg.students)):
+        for label, path in sorted(paths.items()):
+            policies.setdefault(label, {})[part] = [path, digest(Path(path))]
+    return run, policies
 
 
 def run_quality(cfg) -> dict:
@@ -77,7 +82,10 @@ def run_quality(cfg) -> dict:
     learned = {label: kvjax.load_scorers(path) for label, path in cfg.scorers.items()}
     students = {label: kvjax.load_hf(path) for label, path in cfg.students.items()}
     base = TestbedConfig(**cfg.testbed)
-    store = ResultsStore(cfg.out_dir, _fingerprint(cfg, model), resume=cfg.resume)
+    run_fp, policy_fps = _fingerprint(cfg, model)
+    store = ResultsStore(cfg.out_dir, run_fp, resume=cfg.resume, policies=policy_fps)
+    for name, n in sorted(store.discarded.items()):
+        print(f"discarding {n} stored results of {name}: its scorer or student files changed")
     policies = list(cfg.policies)
 
     def key(factor, comp, name, i):   # dense does not depend on the budget: evaluated once per length

@@ -2,9 +2,11 @@
 
 ``problems.jsonl`` holds one JSON record per evaluated (length, compression, policy,
 problem); each batch's records are appended and flushed as soon as the batch finishes.
-``fingerprint.json`` holds what the records depend on (model, testbed, split, scorer
-files, ...). Reopening a folder with a different fingerprint is refused (results are never
-mixed); a torn last line (a crash mid-write) is dropped and recomputed.
+``fingerprint.json`` holds what the records depend on: ``run`` (model, testbed, split,
+...), shared by every record, and ``policies`` (per policy label: its scorer and student
+files). Reopening a folder whose ``run`` part differs is refused (results are never mixed);
+when only some policies' parts differ (a retrained scorer), just those policies' records
+are discarded and recomputed. A torn last line (a crash mid-write) is dropped and recomputed.
 """
 
 from __future__ import annotations
@@ -18,26 +20,49 @@ def record_key(factor: int, compression: float, policy: str, index: int) -> str:
     return f"{factor}|{compression:g}|{policy}|{index}"
 
 
+def policy_of(key: str) -> str:
+    return key.split("|")[2]
+
+
+def _split_legacy(old: dict) -> dict:
+    """A fingerprint written before the run / policies split: scorers and students were
+    run-wide maps ``{label: [path, digest]}``."""
+    if "run" in old:
+        return old
+    policies: dict[str, dict] = {}
+    for part, field in (("scorers", "scorer"), ("students", "student")):
+        for label, entry in old.get(part, {}).items():
+            policies.setdefault(label, {})[field] = entry
+    return {"run": {k: v for k, v in old.items() if k not in ("scorers", "students")}, "policies": policies}
+
+
 class ResultsStore:
-    def __init__(self, directory, fingerprint: dict, resume: bool = True):
+    def __init__(self, directory, run: dict, resume: bool = True, policies: dict | None = None):
+        """``run``: what every record depends on; ``policies``: ``{label: what that policy's
+        records also depend on}`` (labels not listed depend on ``run`` alone)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "problems.jsonl"
         fp_path = self.dir / "fingerprint.json"
-        fingerprint = json.loads(json.dumps(fingerprint))   # normalise tuples, keys
+        fingerprint = json.loads(json.dumps({"run": run, "policies": policies or {}}))   # normalise tuples, keys
         if not resume and self.path.exists():
             self.path.unlink()
+        stale: set[str] = set()
         if self.path.exists() and fp_path.exists():
-            old = json.loads(fp_path.read_text())
-            if old != fingerprint:
-                diff = sorted(k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k))
+            old = _split_legacy(json.loads(fp_path.read_text()))
+            if old["run"] != fingerprint["run"]:
+                o, n = old["run"], fingerprint["run"]
+                diff = sorted(k for k in set(o) | set(n) if o.get(k) != n.get(k))
                 raise ValueError(f"{self.dir} already holds per-problem results of a different evaluation "
                                  f"(differs in: {', '.join(diff)}); use another out_dir, or --set resume=false "
                                  f"to discard them")
+            o, n = old["policies"], fingerprint["policies"]
+            stale = {p for p in set(o) | set(n) if o.get(p) != n.get(p)}
         tmp = fp_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
         os.replace(tmp, fp_path)
         self.records: dict[str, dict] = {}
+        self.discarded: dict[str, int] = {}   # policy -> records dropped because its files changed
         if self.path.exists():
             good = []
             for line in self.path.read_text().splitlines():
@@ -45,6 +70,9 @@ class ResultsStore:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     break          # torn tail: everything from here is recomputed
+                if policy_of(rec["key"]) in stale:
+                    self.discarded[policy_of(rec["key"])] = self.discarded.get(policy_of(rec["key"]), 0) + 1
+                    continue
                 self.records[rec["key"]] = rec
                 good.append(line)
             tmp = self.path.with_suffix(".tmp")
