@@ -17,14 +17,15 @@ SERIES = (("lookup_near", "lookup near"), ("lookup_far", "lookup far"), ("comput
 
 
 def chained_rows(run_dirs) -> list[dict]:
-    """The eval rows of consecutive stages, with steps and ``wall_s`` offset by the earlier stages'."""
+    """The eval rows of consecutive stages, with steps and ``wall_s`` offset by the earlier stages'
+    and each row's ``stage`` index."""
     rows, step0, wall0 = [], 0, 0.0
-    for run_dir in run_dirs:
+    for n, run_dir in enumerate(run_dirs):
         log = Path(run_dir) / "eval.jsonl"
         if not log.exists():
             raise FileNotFoundError(f"{log}: no held-out evaluations (set log.eval_every in the run's config)")
         stage = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        rows += [{**r, "step": r["step"] + step0, "wall_s": r["wall_s"] + wall0} for r in stage]
+        rows += [{**r, "step": r["step"] + step0, "wall_s": r["wall_s"] + wall0, "stage": n} for r in stage]
         if stage:
             step0, wall0 = rows[-1]["step"], rows[-1]["wall_s"]
     return rows
@@ -52,23 +53,14 @@ def plot_learning_curve(run_dirs, out=None) -> Path:
     axes[0].set_ylim(0, 1.02)
     axes[0].legend()
     for ax, x in ((axes[0], "step"), (axes[1], "wall_s")):
-        for stage_end in _stage_ends(run_dirs, rows, x):
-            ax.axvline(stage_end, color="grey", linestyle=":", linewidth=1)
+        for r, after in zip(rows, rows[1:]):   # a dotted line where one stage hands over to the next
+            if after["stage"] != r["stage"]:
+                ax.axvline(r[x] / (60 if x == "wall_s" else 1), color="grey", linestyle=":", linewidth=1)
     fig.suptitle("learning curve: " + " + ".join(str(d) for d in run_dirs))
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
-
-
-def _stage_ends(run_dirs, rows, x) -> list[float]:
-    """Where each stage but the last ends on axis ``x`` (a dotted line in the plot)."""
-    ends, seen = [], 0
-    for run_dir in run_dirs[:-1]:
-        seen += sum(1 for line in (Path(run_dir) / "eval.jsonl").read_text().splitlines() if line.strip())
-        if seen:
-            ends.append(rows[seen - 1][x] / (60 if x == "wall_s" else 1))
-    return ends
 
 
 def main(argv=None) -> None:

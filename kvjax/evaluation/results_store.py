@@ -70,8 +70,8 @@ class ResultsStore:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
                     break          # torn tail: everything from here is recomputed
-                if policy_of(rec["key"]) in stale:
-                    self.discarded[policy_of(rec["key"])] = self.discarded.get(policy_of(rec["key"]), 0) + 1
+                if (policy := policy_of(rec["key"])) in stale:
+                    self.discarded[policy] = self.discarded.get(policy, 0) + 1
                     continue
                 self.records[rec["key"]] = rec
                 good.append(line)
