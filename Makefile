@@ -34,6 +34,7 @@ teacher: install
 # The quality table (README): distil KVpop (mLSTM, MLP) and LKV from the shipped teacher,
 # export the scorers, combine LKV budgets with the KVpop mLSTM scorer, evaluate every policy.
 DISTILL_STEPS ?= 300
+LONG_POLICIES = dense,streaming_llm,tova,h2o,snapkv,oracle,kvpop_mlp,kvpop_mlstm,lkv,lkv_kvpop_mlstm
 quality: install
 	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS)
 	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS) --set eviction.scorer=mlp \
@@ -46,4 +47,4 @@ quality: install
 		c('runs/scorers/lkv', 'runs/scorers/kvpop-mlstm', 'runs/scorers/lkv-kvpop-mlstm')"
 	$(PY) eval.py --config configs/testbed-quality.yaml
 	$(PY) eval.py --config configs/testbed-quality.yaml --set length_factors=[2,4] --set out_dir=runs/quality-long \
-		--set num_problems=128
+		--set num_problems=32 --set "policies=[$(LONG_POLICIES)]"

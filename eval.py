@@ -47,7 +47,8 @@ def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
 
 def _fingerprint(cfg, model) -> tuple[dict, dict]:
     """What per-problem results depend on: ``(run, {label: its scorer / student files})``.
-    A changed model invalidates every result, a changed scorer or student only its policy's."""
+    A changed model invalidates every result, a changed scorer or student only its policy's.
+    Only the policies of this run are fingerprinted (the store keeps the others' records)."""
     import hashlib
 
     from kvjax.export import config_hash
@@ -65,6 +66,8 @@ def _fingerprint(cfg, model) -> tuple[dict, dict]:
     policies: dict[str, dict] = {}
     for part, paths in (("scorer", cfg.scorers), ("student", cfg.students)):
         for label, path in sorted(paths.items()):
+            if label not in cfg.policies:
+                continue
             policies.setdefault(label, {})[part] = [path, digest(Path(path))]
     return run, policies
 
@@ -79,8 +82,9 @@ def run_quality(cfg) -> dict:
     from kvjax.evaluation.results_store import ResultsStore, record_key
 
     model = kvjax.load_hf(cfg.model)
-    learned = {label: kvjax.load_scorers(path) for label, path in cfg.scorers.items()}
-    students = {label: kvjax.load_hf(path) for label, path in cfg.students.items()}
+    # only what this run's policies use: a subset run needs no other policy's files
+    learned = {label: kvjax.load_scorers(path) for label, path in cfg.scorers.items() if label in cfg.policies}
+    students = {label: kvjax.load_hf(path) for label, path in cfg.students.items() if label in cfg.policies}
     base = TestbedConfig(**cfg.testbed)
     run_fp, policy_fps = _fingerprint(cfg, model)
     store = ResultsStore(cfg.out_dir, run_fp, resume=cfg.resume, policies=policy_fps)
@@ -124,6 +128,7 @@ def run_quality(cfg) -> dict:
                     bar.set_postfix(policy=name, graded=f"{agg['graded']:.3f}",
                                     answer=f"{agg.get('answer', float('nan')):.3f}")
     bar.close()
+    store.close()   # the records stay readable; the folder is free for another evaluation
     rows = []
     for factor in cfg.length_factors:
         tb = base.scaled(factor) if factor > 1 else base

@@ -109,7 +109,8 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
     L, K, X = tensors[f"{kind}.{'wq' if kind == 'mlstm' else 'w1'}"].shape[:3]
     sizes = ({"hidden": int(tensors["mlp.w1"].shape[-1]), "activation": scorer.activation} if kind == "mlp" else
              {"hidden": int(tensors["lkv.w1"].shape[-1])} if kind == "lkv" else
-             {"qk_dim": int(scorer.qk_dim), "v_dim": int(scorer.v_dim), "chunk": policy.chunk})
+             {"qk_dim": int(scorer.qk_dim), "v_dim": int(scorer.v_dim), "chunk": policy.chunk,
+              "readout_norm": scorer.readout_norm})
     budgets = policy.params["budgets"] if isinstance(policy, (LKV, LKVBudgetsKVpopMLSTM)) else None
     ev = policy.config
     meta = {
@@ -148,7 +149,9 @@ def load_scorers(directory):
     if kind == "mlp":
         make = lambda: MLPScorer(L, K, D, meta["hidden"], activation=meta["activation"], rngs=nnx.Rngs(0))  # noqa: E731
     elif kind == "mlstm":
-        make = lambda: MLSTMScorer(L, K, D, meta["qk_dim"], v_dim=meta["v_dim"], rngs=nnx.Rngs(0))  # noqa: E731
+        # exports written before readout_norm existed read the memory without the norm
+        make = lambda: MLSTMScorer(L, K, D, meta["qk_dim"], v_dim=meta["v_dim"],  # noqa: E731
+                                   readout_norm=meta.get("readout_norm", False), rngs=nnx.Rngs(0))
     elif kind == "lkv":
         make = lambda: LKVTokenScorer(L, K, D, meta["hidden"], rngs=nnx.Rngs(0))  # noqa: E731
     else:

@@ -2,7 +2,13 @@
 
 Retention (scorers only; their inputs are ``stop_gradient``-ed upstream):
 
-- ``regression_loss``: ``mean_t (r_hat_t - r_tgt_t)^2`` over tokens with a target.
+- ``regression_loss``: ``mean_t (r_hat_t - r_tgt_t)^2`` over tokens with a target; with
+  ``centred``, ``mean_t (r_hat_t - r_tgt_t - c)^2`` with ``c`` the row's mean difference (the
+  best per-(row, head) offset). The keep rule ranks ``p_t = r_hat_t + lambda_h t`` within a
+  head, so an offset changes nothing kept; the plain loss spends the first hundreds of steps
+  moving the scorer's output bias from 0 to the target's level (about -6 on the testbed; Adam
+  moves a bias ~lr per step). Fitting the testbed target for 300 steps, the MLP scorer's
+  per-head Spearman correlation was 0.51-0.81 plain and 0.83-0.93 centred.
 - ``boundary_pairwise_loss`` (seed, "boundary-aware loss"): at sampled query positions
   ``q`` after the long-range budget is full (``|E(q)| > k``), the token leaving the window
   ``t = q - w`` is compared with the teacher's current cutoff token ``c(q)`` (the k-th
@@ -33,10 +39,16 @@ def _masked_mean(x, mask):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def regression_loss(r_hat_BKS, r_tgt_BKS):
-    """Mean squared error on tokens whose target is finite."""
+def regression_loss(r_hat_BKS, r_tgt_BKS, *, centred: bool = False):
+    """Mean squared error on tokens whose target (and, centred, score) is finite; ``centred``:
+    after removing each row's mean difference (see the module docstring)."""
     ok = jnp.isfinite(r_tgt_BKS)
-    diff = jnp.where(ok, r_hat_BKS - jnp.where(ok, r_tgt_BKS, 0.0), 0.0)
+    if centred:
+        ok = ok & jnp.isfinite(r_hat_BKS)
+    diff = jnp.where(ok, jnp.where(ok, r_hat_BKS, 0.0) - jnp.where(ok, r_tgt_BKS, 0.0), 0.0)
+    if centred:
+        n = jnp.maximum(jnp.sum(ok, axis=-1, keepdims=True), 1)
+        diff = jnp.where(ok, diff - jnp.sum(diff, axis=-1, keepdims=True) / n, 0.0)
     return _masked_mean(diff ** 2, ok)
 
 

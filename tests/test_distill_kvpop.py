@@ -31,8 +31,9 @@ def test_gradient_separation(hf_dir, scorer):
 
     def parts(p):
         logits, per_layer = sparse_student_forward(nnx.merge(graphdef, p), tokens, cfg)
-        ret = sum(regression_loss(r, t) + boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window,
-                                                                 topk=ev.topk) for r, ph, t in per_layer)
+        ret = sum(regression_loss(r, t, centred=ev.regression_centred)
+                  + boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window, topk=ev.topk)
+                  for r, ph, t in per_layer)
         return ret, kl_distill(teacher_logits, logits, jnp.ones((2, 64)))
 
     g_ret = jax.grad(lambda p: parts(p)[0])(params)

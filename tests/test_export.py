@@ -25,7 +25,7 @@ def torch_mlp_scores(t, layer, x):
     return (torch.einsum("skf,kf->sk", h, t["mlp.w2"][layer]) + t["mlp.b2"][layer]).T
 
 
-def torch_mlstm_scores(t, layer, x, window):
+def torch_mlstm_scores(t, layer, x, window, readout_norm):
     """Recurrent stabilised mLSTM with delayed readout: x [S, K, 2D] -> r [K, S] (-inf unread)."""
     S = x.shape[0]
     g = lambda n: t[f"mlstm.{n}"][layer]  # noqa: E731
@@ -49,17 +49,23 @@ def torch_mlstm_scores(t, layer, x, window):
         if tok >= 0:
             u = q[tok]
             h = torch.einsum("kde,kd->ke", C, u) / torch.maximum((n * u).sum(-1).abs(), torch.exp(-m))[:, None]
+            if readout_norm:
+                h = h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-6)
             r[:, tok] = (torch.nn.functional.silu(h) * g("head_w")).sum(-1) + g("head_b")
     return r
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mlstm"])
+@pytest.mark.parametrize("kind", ["mlp", "mlstm", "mlstm-no-norm"])
 def test_round_trip_and_pytorch_reference(tmp_path, kind):
-    sc = MLPScorer(L, K, D, rngs=nnx.Rngs(3)) if kind == "mlp" else MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3))
+    norm = kind == "mlstm"
+    sc = (MLPScorer(L, K, D, rngs=nnx.Rngs(3)) if kind == "mlp" else
+          MLSTMScorer(L, K, D, 8, readout_norm=norm, rngs=nnx.Rngs(3)))
+    kind = kind.removesuffix("-no-norm")
     policy = from_scorer(sc, EvictionConfig(sinks=1, window=W, topk=5))
     out = export_scorers(policy, tmp_path / "exported", base_model_name="tiny")
     meta = json.loads((out / "scorer_config.json").read_text())
     assert meta["scorer"] == kind and meta["window"] == W and meta["base_model"] == "tiny"
+    assert meta.get("readout_norm") == (norm if kind == "mlstm" else None)
     back = load_scorers(out)
     rs = np.random.RandomState(0)
     k = jnp.asarray(rs.randn(1, 40, K, D).astype(np.float32))
@@ -71,11 +77,29 @@ def test_round_trip_and_pytorch_reference(tmp_path, kind):
         np.testing.assert_array_equal(a, b)
         tensors = load_file(out / "scorers.safetensors")
         x = torch.cat([torch.tensor(np.asarray(k[0])), torch.tensor(np.asarray(v[0]))], -1)
-        ref = torch_mlp_scores(tensors, layer, x) if kind == "mlp" else torch_mlstm_scores(tensors, layer, x, W)
+        ref = torch_mlp_scores(tensors, layer, x) if kind == "mlp" else torch_mlstm_scores(tensors, layer, x, W, norm)
         lam = torch.nn.functional.softplus(tensors["decay_raw"][layer])
         ref = (ref + lam[:, None] * torch.arange(40)[None]).numpy()
         np.testing.assert_allclose(a[0], ref, atol=1e-5, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(meta["decays"])[layer], lam.numpy(), rtol=1e-6)
+
+
+def test_mlstm_export_without_readout_norm_field_loads_as_before_the_norm(tmp_path):
+    """Exports written before ``readout_norm`` existed scored without it, and still do."""
+    sc = MLSTMScorer(L, K, D, 8, readout_norm=False, rngs=nnx.Rngs(3))
+    out = export_scorers(from_scorer(sc, EvictionConfig(sinks=1, window=W, topk=5)), tmp_path / "old")
+    meta = json.loads((out / "scorer_config.json").read_text())
+    del meta["readout_norm"]
+    (out / "scorer_config.json").write_text(json.dumps(meta))
+    back = load_scorers(out)
+    assert back.scorer(back.params).readout_norm is False
+    rs = np.random.RandomState(1)
+    k, v = (jnp.asarray(rs.randn(1, 30, K, D).astype(np.float32)) for _ in range(2))
+    t = jnp.arange(30)[None]
+    normed = from_scorer(MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3)), EvictionConfig(sinks=1, window=W, topk=5))
+    a, b = (np.asarray(p.priority(p.params, 0, k, v, t)) for p in (back, normed))
+    fin = np.isfinite(a)
+    assert np.abs(a[fin] - b[fin]).max() > 1e-3          # the two readouts are different scorers
 
 
 def test_export_from_a_distill_run(tmp_path):

@@ -15,6 +15,23 @@ def test_regression_ignores_tokens_without_target():
     assert float(regression_loss(r_hat, tgt)) == pytest.approx((1.0 + 4.0) / 2)
 
 
+def test_centred_regression_is_the_loss_at_the_best_offset_per_row():
+    # row 0: differences (1, -2) on the tokens with a target -> offset -0.5 -> (1.5, -1.5)
+    # row 1: differences (3, 3, 3) -> offset 3 -> 0 (a pure offset costs nothing)
+    r_hat = jnp.array([[[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]])
+    tgt = jnp.array([[[0.0, 4.0, -jnp.inf], [1.0, 2.0, 3.0]]])
+    want = (1.5 ** 2 + 1.5 ** 2 + 0 + 0 + 0) / 5
+    assert float(regression_loss(r_hat, tgt, centred=True)) == pytest.approx(want)
+    shifted = r_hat + jnp.array([[[7.0], [-2.0]]])
+    assert float(regression_loss(shifted, tgt, centred=True)) == pytest.approx(want)
+    assert float(regression_loss(shifted, tgt)) != pytest.approx(want)
+    # an unread score (-inf, the mLSTM's last w tokens) is left out, not a NaN
+    r_hat = r_hat.at[0, 0, 1].set(-jnp.inf)
+    assert float(regression_loss(r_hat, tgt, centred=True)) == pytest.approx(0.0)
+    g = jax.grad(lambda r: regression_loss(r, tgt, centred=True))(r_hat)
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
 def test_kl_hand_computed():
     t = jnp.log(jnp.array([[[0.5, 0.25, 0.25]]]))
     s = jnp.log(jnp.array([[[0.25, 0.5, 0.25]]]))

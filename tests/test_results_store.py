@@ -1,5 +1,6 @@
 """The per-problem results store: a changed run is refused, a changed scorer drops only its
-policy's records, and a fingerprint written before the run / policies split still resumes."""
+policy's records, a fingerprint written before the run / policies split still resumes, and a
+folder in use by another evaluation is refused."""
 
 import json
 
@@ -14,7 +15,7 @@ POLICIES = {"kv": {"scorer": ["s", "d1"]}, "lk": {"scorer": ["l", "e1"], "studen
 def _filled(tmp_path):
     st = ResultsStore(tmp_path, RUN, policies=POLICIES)
     st.add([{"key": record_key(1, 0.75, p, i), "v": i} for p in ("dense", "kv", "lk") for i in range(3)])
-    return st
+    st.close()
 
 
 def test_changed_scorer_drops_only_its_policy(tmp_path):
@@ -22,6 +23,7 @@ def test_changed_scorer_drops_only_its_policy(tmp_path):
     st = ResultsStore(tmp_path, RUN, policies={**POLICIES, "kv": {"scorer": ["s", "d2"]}})
     assert st.discarded == {"kv": 3}
     assert sorted(k.split("|")[2] for k in st.records) == ["dense"] * 3 + ["lk"] * 3
+    st.close()
     again = ResultsStore(tmp_path, RUN, policies={**POLICIES, "kv": {"scorer": ["s", "d2"]}})
     assert again.discarded == {} and len(again.records) == 6      # the file itself was rewritten
 
@@ -40,3 +42,21 @@ def test_legacy_flat_fingerprint_resumes(tmp_path):
     st = ResultsStore(tmp_path, RUN, policies=POLICIES)
     assert st.discarded == {} and len(st.records) == 9
     assert json.loads((tmp_path / "fingerprint.json").read_text()) == {"run": RUN, "policies": POLICIES}
+
+
+def test_run_over_a_subset_of_policies_keeps_the_others(tmp_path):
+    _filled(tmp_path)
+    st = ResultsStore(tmp_path, RUN, policies={"lk": POLICIES["lk"]})       # kv not in this run
+    assert st.discarded == {} and len(st.records) == 9
+    st.close()
+    assert json.loads((tmp_path / "fingerprint.json").read_text())["policies"] == POLICIES
+    st = ResultsStore(tmp_path, RUN, policies={"kv": {"scorer": ["s", "d2"]}})   # kv retrained
+    assert st.discarded == {"kv": 3} and len(st.records) == 6
+
+
+def test_folder_in_use_is_refused_and_released_on_close(tmp_path):
+    first = ResultsStore(tmp_path, RUN, policies=POLICIES)
+    with pytest.raises(RuntimeError, match="in use by another evaluation"):
+        ResultsStore(tmp_path, RUN, policies=POLICIES)
+    first.close()
+    ResultsStore(tmp_path, RUN, policies=POLICIES).close()

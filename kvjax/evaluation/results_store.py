@@ -6,11 +6,15 @@ problem); each batch's records are appended and flushed as soon as the batch fin
 ...), shared by every record, and ``policies`` (per policy label: its scorer and student
 files). Reopening a folder whose ``run`` part differs is refused (results are never mixed);
 when only some policies' parts differ (a retrained scorer), just those policies' records
-are discarded and recomputed. A torn last line (a crash mid-write) is dropped and recomputed.
+are discarded and recomputed; policies this run does not evaluate keep their records and
+their stored fingerprint (a run over a subset of policies loses nothing). A torn last line
+(a crash mid-write) is dropped and recomputed. A folder serves one evaluation at a time
+(``.lock``); a second is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -39,9 +43,26 @@ def _split_legacy(old: dict) -> dict:
 class ResultsStore:
     def __init__(self, directory, run: dict, resume: bool = True, policies: dict | None = None):
         """``run``: what every record depends on; ``policies``: ``{label: what that policy's
-        records also depend on}`` (labels not listed depend on ``run`` alone)."""
+        records also depend on}`` for the policies of this run (a label not listed keeps
+        whatever the folder's fingerprint says about it)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        # one evaluation per folder at a time: a second one would rewrite problems.jsonl under
+        # the first one's appends (its records would go to the replaced file and be lost)
+        self._lock = (self.dir / ".lock").open("w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"{self.dir} is in use by another evaluation (it holds {self.dir / '.lock'}); "
+                               f"wait for it to finish, or use another out_dir") from None
+        try:
+            self._load(run, resume, policies)
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _load(self, run: dict, resume: bool, policies: dict | None) -> None:
         self.path = self.dir / "problems.jsonl"
         fp_path = self.dir / "fingerprint.json"
         fingerprint = json.loads(json.dumps({"run": run, "policies": policies or {}}))   # normalise tuples, keys
@@ -57,7 +78,8 @@ class ResultsStore:
                                  f"(differs in: {', '.join(diff)}); use another out_dir, or --set resume=false "
                                  f"to discard them")
             o, n = old["policies"], fingerprint["policies"]
-            stale = {p for p in set(o) | set(n) if o.get(p) != n.get(p)}
+            stale = {p for p in n if o.get(p) != n[p]}
+            fingerprint["policies"] = {**o, **n}
         tmp = fp_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(fingerprint, indent=1, sort_keys=True))
         os.replace(tmp, fp_path)
@@ -78,6 +100,10 @@ class ResultsStore:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(g + "\n" for g in good))
             os.replace(tmp, self.path)
+
+    def close(self) -> None:
+        """Release the folder for another evaluation (also done when the process exits)."""
+        self._lock.close()
 
     def has(self, keys) -> bool:
         return all(k in self.records for k in keys)

@@ -21,9 +21,14 @@ The memory is kept stabilised in log space (state ``C [d, e]``, ``n [d]``, ``m``
 Delayed readout (seed, Fig. 3): the memory at ``q`` has absorbed tokens ``0..q``; token
 ``t`` is scored when it leaves the protected window, at ``q = t + w``, with its own query:
 
-    r_hat_t = a_h . SiLU(read(C_{t+w}, n_{t+w}, m_{t+w}; q_t)) + b_h,   defined for t + w < S
+    r_hat_t = a_h . SiLU(RMSNorm(read(C_{t+w}, n_{t+w}, m_{t+w}; q_t))) + b_h,   defined for t + w < S
 
 (``-inf`` where ``t + w >= S``), and ``p_t = r_hat_t + lambda_h t`` as for the MLP scorer.
+``RMSNorm(h) = h / sqrt(mean_e h^2 + 1e-6)`` is parameter-free, per head and token, as xLSTM
+normalises each head's mLSTM output (``readout_norm``, default on). Without it the read is a
+sum, not an average, wherever ``|n^T u| < 1``, and its scale swings with the memory: fitting
+the testbed teacher's future-attention target for 300 steps, the per-head Spearman correlation
+reached 0.16-0.56 without the norm and 0.83-0.93 with it (MLP scorer: 0.83-0.93).
 
 Three forms compute the same scores: ``mlstm_update``/``mlstm_readout`` one step at a
 time (decode), ``mlstm_scan`` (``lax.scan``, reference) and ``mlstm_chunkwise`` (training,
@@ -177,10 +182,11 @@ class MLSTMScorer(nnx.Module):
     """Per-layer, per-KV-head mLSTM scorer with delayed readout; weights are ``ScorerParam``."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, qk_dim: int, *,
-                 v_dim: int | None = None, rngs: nnx.Rngs):
+                 v_dim: int | None = None, readout_norm: bool = True, rngs: nnx.Rngs):
         L, K, X, d = num_layers, kv_heads, 2 * head_dim, qk_dim
         e = qk_dim if v_dim is None else v_dim
         self.qk_dim, self.v_dim, self.kv_heads = d, e, K
+        self.readout_norm = bool(readout_norm)
         proj = ("layers", "kv_heads", None, "scorer_hidden")
         self.wq = scorer_param(init_normal(rngs, (L, K, X, d), X ** -0.5), proj)
         self.wk = scorer_param(init_normal(rngs, (L, K, X, d), X ** -0.5), proj)
@@ -214,6 +220,8 @@ class MLSTMScorer(nnx.Module):
         return jnp.einsum("bskx,kxd->bksd", x_BSKX, self.wq[...][layer])
 
     def _head(self, layer, h_BKSe) -> jax.Array:
+        if self.readout_norm:
+            h_BKSe = h_BKSe * jax.lax.rsqrt(jnp.mean(h_BKSe * h_BKSe, axis=-1, keepdims=True) + 1e-6)
         r_BKS = jnp.einsum("bkse,ke->bks", jax.nn.silu(h_BKSe), self.head_w[...][layer])
         return r_BKS + self.head_b[...][layer][:, None]
 

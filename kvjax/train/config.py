@@ -138,7 +138,9 @@ class EvictionSection:
     scorer_hidden: int = 64          # MLP width
     mlstm_qk_dim: int = 16           # mLSTM key/query width
     mlstm_chunk: int = 64
+    mlstm_readout_norm: bool = True  # RMS-normalise the mLSTM read before its head (kvjax.scorers.mlstm)
     regression_weight: float = 1.0
+    regression_centred: bool = True  # fit r_hat up to a per-head offset (the keep rule ignores it)
     pairwise_weight: float = 1.0
     pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
     kd_weight: float = 1.0

@@ -9,6 +9,7 @@ from a transposed pass reusing that LSE (``stop_gradient``) -- both by the
 
     kd_weight * KL(teacher || student)                       -> backbone only
   + regression_weight * mean_l MSE(r_hat_l, r_tgt_l)          -> scorers only
+                      (``regression_centred``: up to a per-(row, head) offset)
   + pairwise_weight * mean_l boundary_pairwise(p_hat_l, r_tgt_l)  -> scorers only
 """
 
@@ -43,7 +44,8 @@ def make_scorer(cfg: TrainConfig, model_cfg, seed: int):
     rngs = nnx.Rngs(seed + 17)
     if ev.scorer == "mlp":
         return MLPScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.scorer_hidden, rngs=rngs)
-    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.mlstm_qk_dim, rngs=rngs)
+    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.mlstm_qk_dim,
+                       readout_norm=ev.mlstm_readout_norm, rngs=rngs)
 
 
 def scorer_outputs(scorer, layer, k_BSKD, v_BSKD, positions_BS, window: int, chunk: int):
@@ -99,7 +101,7 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
               else topk_kl_distill(t_logits, s_logits, mask, ev.kd_topk))
         S = batch["tokens"].shape[1]
         sample = jax.random.bernoulli(rng, ev.pairwise_frac, (S,))
-        reg = sum(regression_loss(r, t) for r, _, t in per_layer) / len(per_layer)
+        reg = sum(regression_loss(r, t, centred=ev.regression_centred) for r, _, t in per_layer) / len(per_layer)
         pair = sum(boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window, topk=ev.topk, sample_mask_S=sample)
                    for _, ph, t in per_layer) / len(per_layer)
         total = ev.kd_weight * kd + ev.regression_weight * reg + ev.pairwise_weight * pair
