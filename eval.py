@@ -45,10 +45,11 @@ def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
     return "\n".join(out) + "\n"
 
 
-def _fingerprint(cfg, model) -> tuple[dict, dict]:
+def _fingerprint(cfg, model, scorers: dict, students: dict) -> tuple[dict, dict]:
     """What per-problem results depend on: ``(run, {label: its scorer / student files})``.
     A changed model invalidates every result, a changed scorer or student only its policy's.
-    Only the policies of this run are fingerprinted (the store keeps the others' records)."""
+    ``scorers`` / ``students``: ``{label: folder}`` of this run's policies (the store keeps the
+    others' records)."""
     import hashlib
 
     from kvjax.export import config_hash
@@ -64,10 +65,8 @@ def _fingerprint(cfg, model) -> tuple[dict, dict]:
            "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
            "answers": cfg.answers, "batch_size": cfg.batch_size}
     policies: dict[str, dict] = {}
-    for part, paths in (("scorer", cfg.scorers), ("student", cfg.students)):
+    for part, paths in (("scorer", scorers), ("student", students)):
         for label, path in sorted(paths.items()):
-            if label not in cfg.policies:
-                continue
             policies.setdefault(label, {})[part] = [path, digest(Path(path))]
     return run, policies
 
@@ -83,10 +82,12 @@ def run_quality(cfg) -> dict:
 
     model = kvjax.load_hf(cfg.model)
     # only what this run's policies use: a subset run needs no other policy's files
-    learned = {label: kvjax.load_scorers(path) for label, path in cfg.scorers.items() if label in cfg.policies}
-    students = {label: kvjax.load_hf(path) for label, path in cfg.students.items() if label in cfg.policies}
+    scorer_dirs = {label: path for label, path in cfg.scorers.items() if label in cfg.policies}
+    student_dirs = {label: path for label, path in cfg.students.items() if label in cfg.policies}
+    learned = {label: kvjax.load_scorers(path) for label, path in scorer_dirs.items()}
+    students = {label: kvjax.load_hf(path) for label, path in student_dirs.items()}
     base = TestbedConfig(**cfg.testbed)
-    run_fp, policy_fps = _fingerprint(cfg, model)
+    run_fp, policy_fps = _fingerprint(cfg, model, scorer_dirs, student_dirs)
     store = ResultsStore(cfg.out_dir, run_fp, resume=cfg.resume, policies=policy_fps)
     for name, n in sorted(store.discarded.items()):
         print(f"discarding {n} stored results of {name}: its scorer or student files changed")

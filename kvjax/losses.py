@@ -45,7 +45,7 @@ def regression_loss(r_hat_BKS, r_tgt_BKS, *, centred: bool = False):
     ok = jnp.isfinite(r_tgt_BKS)
     if centred:
         ok = ok & jnp.isfinite(r_hat_BKS)
-    diff = jnp.where(ok, jnp.where(ok, r_hat_BKS, 0.0) - jnp.where(ok, r_tgt_BKS, 0.0), 0.0)
+    diff = jnp.where(ok, r_hat_BKS, 0.0) - jnp.where(ok, r_tgt_BKS, 0.0)
     if centred:
         n = jnp.maximum(jnp.sum(ok, axis=-1, keepdims=True), 1)
         diff = jnp.where(ok, diff - jnp.sum(diff, axis=-1, keepdims=True) / n, 0.0)
