@@ -8,7 +8,7 @@ PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_FLAGS) -e '.[test]'
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -e '.[test,real]'
 	touch $@
 
 install: $(VENV)/.installed

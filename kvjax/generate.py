@@ -18,6 +18,7 @@ from flax import nnx
 
 from kvjax.cache import DenseCache, dense_cache_attention
 from kvjax.models.decoder import Decoder
+from kvjax.sampling import bucket, check_sampling, sample_logits
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -105,15 +106,14 @@ def normalize_prompt(prompt, attention_mask=None, pad_id: int = 0) -> tuple[np.n
     return tokens.astype(np.int32), lengths
 
 
-def _sample(logits_BV, key, temperature):
-    greedy = jnp.argmax(logits_BV, axis=-1)
-    sampled = jax.random.categorical(key, logits_BV / jnp.maximum(temperature, 1e-6), axis=-1)
-    return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("new_cap", "eos_ids", "pad_id", "cache_len"))
+def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key, max_new, temperature, top_k,
+              top_p, *, new_cap: int, eos_ids: tuple[int, ...], pad_id: int, cache_len: int):
+    """New tokens ``int32 [B, new_cap]``: the first ``max_new`` are generated, the rest ``pad_id``.
 
-
-@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("max_new", "eos_ids", "pad_id", "cache_len"))
-def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key, temperature, *,
-              max_new: int, eos_ids: tuple[int, ...], pad_id: int, cache_len: int):
+    ``tokens_BS`` may carry right padding past every row's length (the length bucket);
+    ``max_new`` and the sampling knobs are traced, so only the shapes pick a program.
+    """
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
     state = policy.init(policy_params, model.config, B, cache_len, model.dtype, lengths_B)
@@ -122,7 +122,8 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
     hidden, state = model(tokens_BS, positions, backend, state)
     last = jnp.take_along_axis(hidden, (lengths_B - 1)[:, None, None], axis=1)
     key, sub = jax.random.split(key)
-    first = _sample(model.logits(last)[:, 0], sub, temperature)
+    pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    first = pick(model.logits(last)[:, 0], sub)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
     def cond(c):
@@ -136,51 +137,76 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
         done = done | jnp.isin(tok, eos)
         h, state = model(tok[:, None], (lengths_B + i)[:, None], backend, state)
         key, sub = jax.random.split(key)
-        return i + 1, _sample(model.logits(h)[:, 0], sub, temperature), done, state, out, key
+        return i + 1, pick(model.logits(h)[:, 0], sub), done, state, out, key
 
-    init = (jnp.int32(0), first, jnp.zeros(B, bool), state, jnp.full((B, max_new), pad_id, jnp.int32), key)
-    _, _, _, _, new_BN, _ = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), first, jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32), key)
+    return jax.lax.while_loop(cond, body, init)[4]
 
-    # transformers layout: [pad * (S - len), prompt, new tokens]
-    j = jnp.arange(S + max_new)[None, :]
-    src = j - (S - lengths_B)[:, None]
-    from_prompt = jnp.take_along_axis(tokens_BS, jnp.clip(src, 0, S - 1), axis=1)
-    from_new = jnp.take_along_axis(new_BN, jnp.clip(src - lengths_B[:, None], 0, max_new - 1), axis=1)
-    return jnp.where(src < 0, pad_id, jnp.where(src < lengths_B[:, None], from_prompt, from_new))
+
+def _hf_layout(tokens_BS: np.ndarray, lengths_B: np.ndarray, new_BN: np.ndarray, pad_id: int) -> np.ndarray:
+    """``[B, S + N]`` as ``transformers`` returns it: ``[pad * (S - len), prompt, new tokens]``."""
+    B, S = tokens_BS.shape
+    out = np.full((B, S + new_BN.shape[1]), pad_id, np.int32)
+    for b, n in enumerate(lengths_B):
+        out[b, S - n:S] = tokens_BS[b, :n]
+    out[:, S:] = new_BN
+    return out
+
+
+def _check_token_ids(prompt) -> None:
+    """Token ids must be integers: ``[4.9, 12.2]`` is an error, not ``[4, 12]``."""
+    if hasattr(prompt, "dtype"):
+        if not (np.issubdtype(prompt.dtype, np.integer) and prompt.dtype != np.bool_):
+            raise TypeError(f"prompt token ids must be integers, got dtype {prompt.dtype}")
+        return
+    rows = prompt if isinstance(prompt, (list, tuple)) else [prompt]
+    for row in rows:
+        for x in (row if isinstance(row, (list, tuple)) else np.ravel(row)):
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise TypeError(f"prompt token ids must be integers, got {x!r} ({type(x).__name__})")
 
 
 def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temperature: float = 0.0,
-             seed: int = 0, attention_mask=None, eos_token_id: int | Sequence[int] | None = None,
-             pad_token_id: int | None = None, max_cache_len: int | None = None) -> jax.Array:
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, attention_mask=None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             max_cache_len: int | None = None, bucket_lengths: bool = True) -> jax.Array:
     """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]``.
 
     ``policy=None`` is the dense cache; otherwise a policy object (e.g.
     ``kvjax.make_policy("h2o", kvjax.EvictionConfig(4, 64, 64))``) or a registered name.
-    Greedy when ``temperature == 0``, otherwise
-    sampling with ``jax.random.key(seed)``. Rows stop at EOS (default: the model's) and are
-    padded with ``pad_token_id`` (default: the model's pad, else its EOS, else 0).
+    Greedy when ``temperature == 0``, otherwise sampling with ``jax.random.key(seed)``,
+    filtered by ``top_k`` (0 = off) and ``top_p`` (1 = off). Rows stop at EOS (default: the
+    model's) and are padded with ``pad_token_id`` (default: the model's pad, else its EOS,
+    else 0). With ``bucket_lengths`` (default) the prompt and generation lengths are padded
+    up to shared sizes (:func:`kvjax.sampling.bucket`) inside, so calls with many different
+    lengths reuse a bounded number of compiled programs; the tokens are the same.
     """
     cfg = model.config
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    check_sampling(temperature, top_k, top_p)
     eos = cfg.eos_ids if eos_token_id is None else (
         (eos_token_id,) if isinstance(eos_token_id, (int, np.integer)) else tuple(eos_token_id))
     if pad_token_id is None:
         pad_token_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    _check_token_ids(prompt)
     tokens, lengths = normalize_prompt(prompt, attention_mask, pad_token_id)
     _check_vocab(tokens, cfg.vocab_size)
-    need = tokens.shape[1] + int(max_new_tokens)
+    S, max_new = tokens.shape[1], int(max_new_tokens)
+    need = S + max_new
     if max_cache_len is not None and need > max_cache_len:
-        raise ValueError(f"max_new_tokens: prompt length {tokens.shape[1]} + max_new_tokens {max_new_tokens} "
+        raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the cache size max_cache_len={max_cache_len}")
     if need > cfg.max_position_embeddings:
-        raise ValueError(f"max_new_tokens: prompt length {tokens.shape[1]} + max_new_tokens {max_new_tokens} "
+        raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
     policy = resolve_policy(policy)
+    S_b, N_b = (bucket(S), bucket(max_new)) if bucket_lengths else (S, max_new)
+    padded = np.full((tokens.shape[0], S_b), pad_token_id, np.int32)
+    padded[:, :S] = tokens
     graphdef, params = nnx.split(model)
-    return _generate(graphdef, policy, params, policy.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                     jax.random.key(seed), jnp.float32(temperature), max_new=int(max_new_tokens),
-                     eos_ids=tuple(int(e) for e in eos), pad_id=int(pad_token_id),
-                     cache_len=max_cache_len or need)
+    new = _generate(graphdef, policy, params, policy.params, jnp.asarray(padded), jnp.asarray(lengths),
+                    jax.random.key(seed), jnp.int32(max_new), jnp.float32(temperature), jnp.int32(top_k),
+                    jnp.float32(top_p), new_cap=N_b, eos_ids=tuple(int(e) for e in eos),
+                    pad_id=int(pad_token_id), cache_len=max_cache_len or (S_b + N_b))
+    return jnp.asarray(_hf_layout(tokens, lengths, np.asarray(new)[:, :max_new], int(pad_token_id)))
