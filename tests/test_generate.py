@@ -91,3 +91,35 @@ def test_generate_errors(pair):
         kvjax.generate(model, [[5, 600]], 4)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         kvjax.generate(model, [[5]], 4, temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        kvjax.generate(model, [[5]], 4, temperature=float("nan"))
+    with pytest.raises(TypeError, match="token ids must be integers, got 4.9"):
+        kvjax.generate(model, [[4.9, 12.2]], 4)
+    with pytest.raises(TypeError, match="token ids must be integers, got dtype float"):
+        kvjax.generate(model, np.array([[4.9, 12.2]]), 4)
+
+
+@pytest.mark.parametrize("policy", [None, "streaming_llm", "h2o", "knorm"])
+def test_length_buckets_give_the_unbucketed_tokens(pair, policy):
+    model, _ = pair
+    ids, mask = left_padded([5, 13, 9], seed=7)
+    pol = None if policy is None else kvjax.make_policy(policy, kvjax.EvictionConfig(sinks=2, window=4, topk=6))
+    for kw in (dict(), dict(temperature=0.8, top_p=0.9, seed=4)):
+        a = np.asarray(kvjax.generate(model, ids, 21, attention_mask=mask, policy=pol, eos_token_id=[], **kw))
+        b = np.asarray(kvjax.generate(model, ids, 21, attention_mask=mask, policy=pol, eos_token_id=[],
+                                      bucket_lengths=False, **kw))
+        assert a.shape == (3, 13 + 21)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_many_lengths_compile_a_bounded_number_of_programs(pair):
+    from kvjax.generate import _generate
+    from kvjax.sampling import bucket
+
+    model, _ = pair
+    before = _generate._cache_size()
+    lengths = range(20, 220, 2)                    # 100 distinct prompt lengths
+    for n in lengths:
+        out = kvjax.generate(model, [list(range(3, 3 + n % 90)) + [5] * (n - n % 90)], 6, eos_token_id=[])
+        assert out.shape == (1, n + 6)
+    assert _generate._cache_size() - before <= len({bucket(n) for n in lengths}) <= 12

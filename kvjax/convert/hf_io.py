@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import jax
@@ -28,6 +29,16 @@ from kvjax.models.decoder import Decoder
 from kvjax.sharding import named_sharding
 
 SINGLE_FILE = "model.safetensors"
+# files that travel with a model folder (tokenizer, chat template, generation defaults)
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+_SOURCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # model -> the folder it came from
+
+
+def source_folder(model) -> Path | None:
+    """The folder ``model`` was loaded from by :func:`load_hf` (``None`` if built otherwise)."""
+    return _SOURCES.get(model)
 INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 
@@ -116,15 +127,20 @@ def load_hf(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mes
                 value = jnp.asarray(arr)
             var.set_value(value)
             del arr
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    _SOURCES[model] = folder.resolve()
+    return model
 
 
 def save_hf(model: Decoder, path: str | os.PathLike, *, dtype=None,
-            max_shard_bytes: int = 5 * 2**30) -> Path:
+            max_shard_bytes: int = 5 * 2**30, tokenizer_from: str | os.PathLike | None = None) -> Path:
     """Write ``model`` as a folder ``transformers.AutoModelForCausalLM`` loads.
 
     Files above ``max_shard_bytes`` are split as ``model-0000i-of-0000n.safetensors``
-    with an index. Other files already in ``path`` (a tokenizer, say) are kept.
+    with an index. Other files already in ``path`` (a tokenizer, say) are kept. The
+    tokenizer, chat template and generation defaults (:data:`COMPANION_FILES`) of
+    ``tokenizer_from`` — by default the folder the model was loaded from — are copied
+    where ``path`` has none.
     """
     folder = Path(path)
     cfg: ModelConfig = model.config
@@ -164,11 +180,28 @@ def save_hf(model: Decoder, path: str | os.PathLike, *, dtype=None,
         hf_cfg["dtype"] = str(first.dtype)
         hf_cfg.pop("torch_dtype", None)
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        src = Path(tokenizer_from) if tokenizer_from is not None else source_folder(model)
+        if tokenizer_from is not None and not src.is_dir():
+            raise FileNotFoundError(f"tokenizer_from: {src} is not a folder")
+        if src is not None and src.resolve() != folder.resolve():
+            for name in COMPANION_FILES:
+                if (src / name).is_file() and not (folder / name).exists():
+                    shutil.copy2(src / name, tmp / name)
+        mode = 0o777 & ~_umask()
+        os.chmod(tmp, mode)
+        for f in tmp.iterdir():
+            os.chmod(f, mode & 0o666)
         _swap_into_place(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _is_weight_file(name: str) -> bool:

@@ -1,8 +1,9 @@
 """Generate a model's own reasoning traces: batched, jitted sampling of multi-turn chats.
 
 A batch of prompts (:mod:`kvjax.traces.prompts`) is answered with ``kvjax.generate``;
-conversations shorter than ``min_tokens`` get their next follow-up user turn and are
-answered again, up to ``max_turns``; every trace is cut at ``max_tokens``. Batch ``j``
+a conversation shorter than ``min_tokens`` goes on: an answer cut at ``turn_max_new``
+continues in the next round, an answer that ended gets the next follow-up user turn, up
+to ``max_turns`` turns; every trace is cut at ``max_tokens``. Batch ``j``
 always holds prompts ``j*B ... j*B+B-1`` and samples with a seed derived from
 ``(seed, j, turn)``, so a resumed run regenerates an interrupted batch exactly and writes
 only the traces that are missing.
@@ -20,6 +21,7 @@ from typing import Literal
 
 import numpy as np
 
+from kvjax.text import encode_prompts, stop_token_ids
 from kvjax.traces.prompts import Prompt, make_prompt, prompt_id
 from kvjax.traces.store import SPLITS, TraceStore
 
@@ -28,12 +30,12 @@ from kvjax.traces.store import SPLITS, TraceStore
 class TraceConfig:
     model_dir: str | None = None          # HF folder; default: SmolLM2 via kvjax.real_model (fetched once)
     out_dir: str = "runs/traces/smollm2"
-    num_traces: int = 288                 # prompts 0 .. num_traces-1
+    num_traces: int = 272                 # prompts 0 .. num_traces-1
     seed: int = 0
     batch_size: int = 16
     min_tokens: int = 512                 # continue a conversation with a follow-up turn below this
     max_tokens: int = 2048                # every trace is cut here
-    turn_max_new: int = 320               # new tokens per assistant turn at most
+    turn_max_new: int = 384               # new tokens per assistant turn at most
     max_turns: int = 5
     temperature: float = 0.7
     top_p: float = 0.9
@@ -63,9 +65,10 @@ class Conversation:
     prompt: Prompt
     tokens: list[int]
     prompt_len: int
-    turns: int = 0
+    turns: int = 0                # assistant turns that ended with an end-of-turn token
     new_tokens: int = 0
     active: bool = True
+    complete: bool = False        # the last assistant turn ended (not cut at a length cap)
 
 
 def _turn_tokens(tok, text: str) -> list[int]:
@@ -79,35 +82,24 @@ def _turn_tokens(tok, text: str) -> list[int]:
     return tok.encode(("\n" if head.endswith(end + "\n") else "") + tail, add_special_tokens=False)
 
 
-def _chat_ids(tok, messages) -> list[int]:
-    ids = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def stop_ids(model, tok) -> tuple[int, ...]:
-    """The model's EOS ids plus the tokenizer's end-of-turn and end-of-text tokens."""
-    vocab = tok.get_vocab()
-    ids = set(model.config.eos_ids) | {vocab[t] for t in (tok.eos_token, "<|endoftext|>") if t in vocab}
-    return tuple(sorted(int(i) for i in ids))
-
-
 def run_batch(model, tok, prompts: list[Prompt], cfg: TraceConfig, batch_index: int, generate=None) -> \
         tuple[list[Conversation], int]:
     """Answer one batch of prompts turn by turn; ``(conversations, tokens generated)``."""
     import kvjax
 
     generate = generate or kvjax.generate
-    eos = stop_ids(model, tok)
-    convs = [Conversation(p, ids := _chat_ids(tok, p.messages), len(ids)) for p in prompts]
+    eos = stop_token_ids(model, tok)
+    convs = [Conversation(p, ids, len(ids)) for p, ids in
+             zip(prompts, encode_prompts(tok, [p.messages for p in prompts], chat=True))]
     for c in convs:
         if c.prompt_len >= cfg.max_tokens:
             c.tokens, c.active = c.tokens[:cfg.max_tokens], False
     generated = 0
-    for turn in range(cfg.max_turns):
+    for rnd in range(cfg.max_turns + 2):   # a turn cut at turn_max_new goes on in the next round
         live = [c for c in convs if c.active]
         if not live:
             break
-        # two batch shapes (full, and a quarter for the stragglers of later turns) bound the compiles
+        # two batch shapes (full, and a quarter for the stragglers of later rounds) bound the compiles
         small = max(1, cfg.batch_size // 4)
         shape = small if len(live) <= small else cfg.batch_size
         rows = [c.tokens for c in live] + [live[0].tokens] * (shape - len(live))
@@ -115,31 +107,32 @@ def run_batch(model, tok, prompts: list[Prompt], cfg: TraceConfig, batch_index: 
         max_new = max(1, min(cfg.turn_max_new, cfg.max_tokens - min(len(c.tokens) for c in live),
                              model.config.max_position_embeddings - longest))
         out = np.asarray(generate(model, rows, max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, seed=cfg.seed * 1_000_003 + batch_index * 101 + turn,
+                                  top_k=cfg.top_k, seed=cfg.seed * 1_000_003 + batch_index * 101 + rnd,
                                   eos_token_id=eos))
-        new = out[:, longest:]
-        for c, row in zip(live, new):
+        for c, row in zip(live, out[:, longest:]):
             hit = np.flatnonzero(np.isin(row, eos))
-            ended = hit.size > 0
-            piece = row[: hit[0] + 1] if ended else row
+            c.complete = hit.size > 0
+            piece = row[: hit[0] + 1] if c.complete else row
             c.tokens += [int(t) for t in piece]
-            c.turns += 1
+            c.turns += int(c.complete)
             c.new_tokens += len(piece)
             generated += len(piece)
-            more = c.prompt.followups[c.turns - 1] if c.turns - 1 < len(c.prompt.followups) else None
-            if not ended or len(c.tokens) >= cfg.min_tokens or more is None or c.turns >= cfg.max_turns:
+            if len(c.tokens) >= cfg.min_tokens:
                 c.active = False
-            else:
-                c.tokens += _turn_tokens(tok, more)
-                c.active = len(c.tokens) < cfg.max_tokens
+            elif c.complete:              # ask the next follow-up, if any are left
+                if c.turns < min(cfg.max_turns, len(c.prompt.followups) + 1):
+                    c.tokens += _turn_tokens(tok, c.prompt.followups[c.turns - 1])
+                else:
+                    c.active = False
             c.tokens = c.tokens[: cfg.max_tokens]
+            c.active = c.active and len(c.tokens) < cfg.max_tokens
     return convs, generated
 
 
 def trace_row(c: Conversation, cfg: TraceConfig) -> dict:
     return {"id": c.prompt.id, "kind": c.prompt.kind, "split": split_of(cfg.seed, c.prompt.id, cfg.split_fractions),
             "tokens": c.tokens, "prompt_len": c.prompt_len, "turns": c.turns, "new_tokens": c.new_tokens,
-            "answer": c.prompt.answer}
+            "complete": c.complete, "answer": c.prompt.answer}
 
 
 def length_summary(lengths) -> dict:
