@@ -3,12 +3,12 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test demo teacher quality real-model traces
+.PHONY: install test test-fast demo teacher quality real-model traces
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(PIP_FLAGS) -e '.[test,real]'
+	$(PY) -m pip install --quiet $(PIP_FLAGS) -c constraints.txt -e '.[test,real]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -24,6 +24,10 @@ real-model: install
 # The model's own reasoning traces (resumable; README "Real model" gives the time on 2 cores).
 traces: real-model
 	$(PY) -m kvjax.traces --config configs/traces-smollm2.yaml
+
+# The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
+test-fast: install
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not integration"
 
 demo: install
 	$(PY) -m kvjax.demo

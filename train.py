@@ -18,24 +18,30 @@ def main(argv=None) -> int:
 
     cfg, args = cli_config(TrainConfig, "train.py", __doc__, argv, lambda ap: ap.add_argument(
         "--dry-run", action="store_true", help="print the train state's shapes and per-device memory, then exit"))
+    for w in cfg.warnings():
+        print(f"train.py: warning: {w}", file=sys.stderr)
     if args.dry_run:
         from kvjax.train.dry_run import dry_run
 
         print(dry_run(cfg))
         return 0
+    from kvjax.dir_lock import FolderInUse
     from kvjax.train.checkpoint import CheckpointError
     from kvjax.train.loop import train
 
     try:
         summary = train(cfg)
-    except CheckpointError as e:
+    except (CheckpointError, FolderInUse) as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
+    if "stopped_at" in summary:
+        sig = summary.get("signal") or "a stop request"
+        print(f"train.py: interrupted by {sig} at step {summary['stopped_at']} of {cfg.total_steps}; the checkpoint "
+              f"is saved and the run is resumable: rerun the same command", file=sys.stderr)
+        return 130 if sig == "SIGINT" else 0   # SIGTERM (preemption) is a clean save-and-exit
     m = summary.get("last_metrics", {})
-    print(f"done: {summary.get('steps', summary.get('stopped_at'))} steps, final loss {m.get('loss', float('nan')):.4f}, "
-          f"results in {cfg.out_dir}")
+    print(f"done: {summary['steps']} steps, final loss {m.get('loss', float('nan')):.4f}, results in {cfg.out_dir}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

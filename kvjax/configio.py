@@ -4,6 +4,7 @@ and errors that name the unknown or mistyped key by its dotted path."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -21,6 +22,14 @@ def _check_scalar(tp, value, where: str):
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp in (int, float) and isinstance(value, str):   # YAML 1.1 reads 1e-3 as a string
+        try:
+            num = float(value) if tp is float else int(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {tp.__name__}, got str {value!r}") from None
+        if tp is float and not math.isfinite(num):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return num
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}")

@@ -19,6 +19,7 @@ model's name and the SHA-256 of its ``config.json`` fields.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -136,14 +137,35 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
     return out
 
 
-def load_scorers(directory):
-    """The learned policy stored by :func:`export_scorers`, ready for ``kvjax.generate``."""
+def load_scorers(directory, model=None):
+    """The learned policy stored by :func:`export_scorers`, ready for ``kvjax.generate``.
+
+    The policy remembers the layers, KV heads, head_dim and config hash of the model its
+    scorers were exported for: ``generate`` (and ``model=`` here) refuses a model of other
+    shapes and warns when only the hash differs.
+    """
+    policy = _load_scorers(directory)
+    if model is not None:
+        policy.check_model(getattr(model, "config", model))
+    return policy
+
+
+def _load_scorers(directory):
     d = Path(directory)
     for f in ("scorers.safetensors", "scorer_config.json"):
         if not (d / f).exists():
             raise FileNotFoundError(f"{d / f}: missing (written by kvjax.export_scorers)")
-    meta = json.loads((d / "scorer_config.json").read_text())
-    tensors = load_file(d / "scorers.safetensors")
+    try:
+        meta = json.loads((d / "scorer_config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{d / 'scorer_config.json'}: not valid JSON (truncated or damaged?): {e}") from None
+    try:
+        tensors = load_file(d / "scorers.safetensors")
+    except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise ValueError(f"{d / 'scorers.safetensors'}: cannot read it (truncated or damaged?): {e}") from None
+    bad = sorted(k for k, v in tensors.items() if v.dtype.kind == "f" and not np.isfinite(v).all())
+    if bad:
+        raise ValueError(f"{d / 'scorers.safetensors'}: tensor {bad[0]!r} holds NaN or infinite values")
     L, K, D = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
     kind = meta["scorer"]
     if kind == "mlp":
@@ -175,21 +197,21 @@ def load_scorers(directory):
         budgets = jax.numpy.asarray(budgets, jax.numpy.int32)
         if budgets.shape != (L, K):
             raise ValueError(f"{d}: lkv_budgets has shape {budgets.shape}, expected {(L, K)}")
+    fits = (int(L), int(K), int(D), meta.get("base_config_sha256"))
     if kind == "lkv":
         tdef, tstate = nnx.split(scorer)
-        return LKV(ev, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tstate)}, tokens_def=tdef)
+        return LKV(ev, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tstate)}, tokens_def=tdef, fits=fits)
     kw = {"chunk": meta["chunk"]} if kind == "mlstm" else {}
     policy = from_scorer(scorer, ev, **kw)
     if budgets is not None:
         policy = LKVBudgetsKVpopMLSTM(ev, params={"budgets": budgets, "scorer": policy.params},
                                       scorer_def=policy.scorer_def, **kw)
-    return policy
+    return dataclasses.replace(policy, fits=fits)
 
 
 def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
     """Export ``lkv_kvpop_mlstm``: the per-head budgets (and ``k_max``, budget) of an exported
     ``lkv`` policy with the token scorer of an exported ``kvpop_mlstm`` one."""
-    import dataclasses
 
     lkv, kvpop = load_scorers(lkv_dir), load_scorers(kvpop_mlstm_dir)
     if not isinstance(lkv, LKV):

@@ -30,9 +30,13 @@ def _forward(graphdef, params, tokens_BS):
 
 def forward(model: Decoder, tokens) -> jax.Array:
     """Dense causal logits ``float32 [B, S, V]`` for ``int [B, S]`` tokens."""
+    _check_token_ids(tokens)
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+    if tokens.shape[1] > model.config.max_position_embeddings:
+        raise ValueError(f"tokens: {tokens.shape[1]} positions exceed the model's max_position_embeddings="
+                         f"{model.config.max_position_embeddings}")
     _check_vocab(np.asarray(tokens), model.config.vocab_size)
     graphdef, params = nnx.split(model)
     return _forward(graphdef, params, tokens.astype(jnp.int32))
@@ -201,6 +205,8 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
         raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
     policy = resolve_policy(policy)
+    if hasattr(policy, "check_model"):
+        policy.check_model(cfg)
     S_b, N_b = (bucket(S), bucket(max_new)) if bucket_lengths else (S, max_new)
     padded = np.full((tokens.shape[0], S_b), pad_token_id, np.int32)
     padded[:, :S] = tokens

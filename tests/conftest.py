@@ -23,3 +23,21 @@ def hf_dir(tmp_path_factory):
         return made[key]
 
     return get
+
+
+# Modules that load the real model, train, spawn processes or compile many programs: `make test`
+# runs them, `make test-fast` (the inner loop, < 3 minutes on 2 cores) leaves them out.
+INTEGRATION = {
+    "convert/test_real_model.py", "traces/test_traces.py", "train/test_train_loop.py",
+    "train/test_distill_kvpop.py", "train/test_distill_lkv.py", "train/test_sharding.py",
+    "evaluation/test_eval_cli.py", "kernels/test_kernels.py", "generation/test_generate.py",
+    "eviction/test_eviction_state.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        rel = os.path.relpath(str(item.fspath), here).replace(os.sep, "/")
+        if rel in INTEGRATION:
+            item.add_marker(pytest.mark.integration)

@@ -50,7 +50,7 @@ def _dotted(path) -> str:
 def _weight_map(folder: Path) -> dict[str, Path]:
     """HF tensor name -> file holding it."""
     if (folder / INDEX_FILE).exists():
-        index = json.loads((folder / INDEX_FILE).read_text())
+        index = _read_json(folder / INDEX_FILE)
         if "weight_map" not in index:
             raise ValueError(f"{folder / INDEX_FILE}: no 'weight_map' entry")
         files = {}
@@ -61,9 +61,27 @@ def _weight_map(folder: Path) -> dict[str, Path]:
             files[key] = f
         return files
     if (folder / SINGLE_FILE).exists():
-        with safe_open(folder / SINGLE_FILE, framework="np") as f:
+        with _open_safetensors(folder / SINGLE_FILE) as f:
             return {k: folder / SINGLE_FILE for k in f.keys()}
     raise FileNotFoundError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON (truncated or damaged?): {e}") from None
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """``safe_open`` whose errors name the file (a truncated or damaged one says so)."""
+    try:
+        handle = safe_open(path, framework="np")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types without the path
+        raise ValueError(f"{path}: cannot read safetensors header (truncated or damaged?): {e}") from None
+    with handle as f:
+        yield f
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -73,7 +91,7 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{cfg_file}: missing (a Hugging Face model folder needs config.json)")
-    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()))
+    return ModelConfig.from_hf_config(_read_json(cfg_file))
 
 
 def load_hf(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mesh=None) -> Decoder:
@@ -115,11 +133,16 @@ def load_hf(path: str | os.PathLike, *, dtype="float32", compute_dtype=None, mes
             hf_key, tr = table[_dotted(p)]
             f = files[hf_key]
             if f not in handles:
-                handles[f] = stack.enter_context(safe_open(f, framework="np"))
-            arr = handles[f].get_tensor(hf_key)
+                handles[f] = stack.enter_context(_open_safetensors(f))
+            try:
+                arr = handles[f].get_tensor(hf_key)
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"{f}: cannot read tensor {hf_key!r} (truncated or damaged?): {e}") from None
             want = tr.hf_shape(var.get_value().shape)
             if tuple(arr.shape) != tuple(want):
                 raise ValueError(f"tensor {hf_key!r} has shape {tuple(arr.shape)}, expected {tuple(want)}")
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+                raise ValueError(f"{f}: tensor {hf_key!r} holds NaN or infinite values (damaged weights?)")
             arr = np.ascontiguousarray(tr.to_ours(arr, var.get_value().shape)).astype(dtype)
             if mesh is not None:
                 value = jax.device_put(arr, named_sharding(var.logical_axes, arr.shape, mesh))

@@ -14,10 +14,11 @@ their stored fingerprint (a run over a subset of policies loses nothing). A torn
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
+
+from kvjax.dir_lock import DirLock
 
 
 def record_key(factor: int, compression: float, policy: str, index: int) -> str:
@@ -49,17 +50,11 @@ class ResultsStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         # one evaluation per folder at a time: a second one would rewrite problems.jsonl under
         # the first one's appends (its records would go to the replaced file and be lost)
-        self._lock = (self.dir / ".lock").open("w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"{self.dir} is in use by another evaluation (it holds {self.dir / '.lock'}); "
-                               f"wait for it to finish, or use another out_dir") from None
+        self._lock = DirLock(self.dir, "evaluation")
         try:
             self._load(run, resume, policies)
         except BaseException:
-            self._lock.close()
+            self._lock.release()
             raise
 
     def _load(self, run: dict, resume: bool, policies: dict | None) -> None:
@@ -103,7 +98,7 @@ class ResultsStore:
 
     def close(self) -> None:
         """Release the folder for another evaluation (also done when the process exits)."""
-        self._lock.close()
+        self._lock.release()
 
     def has(self, keys) -> bool:
         return all(k in self.records for k in keys)

@@ -39,6 +39,8 @@ class BoundedCache:
 class BoundedPolicy:
     config: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)
     params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    # (layers, KV heads, head_dim, config sha256 or None) of the model learned weights were made for
+    fits: tuple | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     name: ClassVar[str] = "bounded"
     static: ClassVar[bool] = True     # priorities fixed per token (keep-rule path)
@@ -86,6 +88,27 @@ class BoundedPolicy:
         """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
         ev = self.effective()
         return jnp.full((cfg.num_layers, batch, cfg.num_kv_heads), ev.topk, jnp.int32)
+
+    def check_model(self, cfg) -> None:
+        """Refuse a model whose shapes differ from those the policy's weights were made for;
+        warn when only the config hash differs (same shapes, perhaps another checkpoint)."""
+        if self.fits is None:
+            return
+        L, K, D, digest = self.fits
+        have = {"layers": cfg.num_layers, "KV heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+        want = {"layers": L, "KV heads": K, "head_dim": D}
+        if have != want:
+            diff = ", ".join(f"{n} {want[n]} vs {have[n]}" for n in want if want[n] != have[n])
+            raise ValueError(f"policy {self.name!r}: its scorers were made for another model ({diff} in this "
+                             f"model); export scorers for this model or load the model they belong to")
+        if digest:
+            from kvjax.export import config_hash
+
+            if config_hash(cfg) != digest:
+                import warnings
+
+                warnings.warn(f"policy {self.name!r}: the model's config differs from the one its scorers were "
+                              "exported with (same shapes); check that they belong together", stacklevel=3)
 
     # ---- the shared mechanism ------------------------------------------------------------
     def with_params(self, params) -> "BoundedPolicy":

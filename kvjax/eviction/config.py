@@ -35,9 +35,11 @@ class EvictionConfig:
     def __post_init__(self):
         for name in ("sinks", "topk", "seed"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"EvictionConfig.{name} must be a non-negative integer, got {v!r}")
-        if not isinstance(self.window, int) or self.window < 1:
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise ValueError(f"EvictionConfig.window must be an integer, got {self.window!r}")
+        if self.window < 1:
             raise ValueError(f"EvictionConfig.window must be >= 1 (the current token is always kept), "
                              f"got {self.window!r}")
         if self.k_max is not None and (not isinstance(self.k_max, int) or self.k_max < 0):

@@ -8,10 +8,11 @@ lines on disk are always whole traces, each id at most once.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 from pathlib import Path
+
+from kvjax.dir_lock import DirLock
 
 SPLITS = ("train", "valid", "test")
 
@@ -20,13 +21,7 @@ class TraceStore:
     def __init__(self, out_dir: str | os.PathLike):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = (self.dir / ".lock").open("w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"{self.dir}: another trace run is writing here; wait for it or pick another "
-                               "out_dir") from None
+        self._lock = DirLock(self.dir, "trace run")
         self.done: dict[str, str] = {}            # id -> split
         for split in SPLITS:
             for row in self._read_whole_lines(self.path(split)):
@@ -76,4 +71,4 @@ class TraceStore:
         return self._read_whole_lines(self.path(split))
 
     def close(self) -> None:
-        self._lock.close()
+        self._lock.release()

@@ -4,6 +4,7 @@ together, asynchronously, keeping the last N; restore refuses what does not fit.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import jax
@@ -12,6 +13,10 @@ import orbax.checkpoint as ocp
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, or read back into this run."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read (as opposed to one of another run)."""
 
 
 _DISK_FULL = ("No space left", "ENOSPC", "File too large", "EFBIG", "Disk quota exceeded", "EDQUOT")
@@ -63,26 +68,56 @@ class Checkpointer:
         try:
             meta = self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint step {step} under {self.dir} is corrupt or incomplete "
-                                  f"(metadata unreadable: {e})") from e
+            raise DamagedCheckpoint(f"checkpoint step {step} under {self.dir} is corrupt or incomplete "
+                                    f"(metadata unreadable: {e})") from e
         for key, want in expect_meta.items():
             if meta.get(key) != want:
                 raise CheckpointError(
                     f"checkpoint step {step} under {self.dir} is incompatible with this run: its {key!r} "
-                    f"differs ({_short(meta.get(key))} vs {_short(want)}); use a new out_dir or checkpoint.dir")
+                    f"differs ({_short(meta.get(key))} vs {_short(want)}){_HINTS.get(key, '')}; use a new out_dir "
+                    f"or checkpoint.dir")
         try:
             restored = self.mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))["state"]
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint step {step} under {self.dir} could not be restored into this "
-                                  f"run's train state (corrupt, or written by a different model): {e}") from e
+        except Exception as e:  # noqa: BLE001 - the metadata matched this run, so the files are damaged
+            raise DamagedCheckpoint(f"checkpoint step {step} under {self.dir} could not be restored into this "
+                                    f"run's train state (corrupt or incomplete): {e}") from e
         got = jax.tree.structure(restored)
         if got != jax.tree.structure(abstract_state):
             raise CheckpointError(f"checkpoint step {step} under {self.dir} has a different train-state layout")
         return restored, meta
 
+    def restore_latest_good(self, abstract_state, expect_meta: dict, say=print):
+        """``(state, meta, step)`` of the newest checkpoint that restores, or ``None`` if there is none.
+
+        A damaged checkpoint is moved aside to ``<dir>/damaged/`` (kept for inspection) and the
+        previous one is tried; a checkpoint of another run still raises :class:`CheckpointError`.
+        """
+        for step in sorted(self.mngr.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state, expect_meta)
+                return state, meta, step
+            except DamagedCheckpoint as e:
+                aside = self.dir / "damaged" / f"{step}-{int(time.time())}"
+                aside.parent.mkdir(exist_ok=True)
+                (self.dir / str(step)).rename(aside)
+                self.mngr.reload()
+                say(f"warning: {e}\nwarning: moved it to {aside}; trying the previous checkpoint")
+        return None
+
     def close(self) -> None:
         self.mngr.close()
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON next to ``path`` and rename it into place (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+_HINTS = {"total_steps": " (the learning-rate schedule is laid out over the total steps; resume with the "
+                         "same steps, or start a new out_dir)"}
 
 
 def _short(x) -> str:

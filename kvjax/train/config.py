@@ -123,7 +123,11 @@ class CheckpointSection:
 class LogSection:
     every: int = 10
     eval_every: int = 0       # steps between held-out evaluations; 0 = only at the end
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard event files under out_dir/tensorboard (tensorboardX)
+
+    def __post_init__(self):
+        if self.every < 1 or self.eval_every < 0:
+            raise ValueError(f"log.every must be >= 1 and log.eval_every >= 0, got {self.every} and {self.eval_every}")
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,13 @@ class EvictionSection:
     gumbel_steps: int = 0            # ... over this many steps (0: the whole run)
 
     def __post_init__(self):
+        for name, low in (("sinks", 0), ("window", 1), ("topk", 0), ("scorer_hidden", 1), ("mlstm_qk_dim", 1),
+                          ("mlstm_chunk", 1), ("kd_topk", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"eviction.{name} must be >= {low}, got {getattr(self, name)}"
+                                 + (" (the current token is always kept)" if name == "window" else ""))
+        if not 0.0 < self.pairwise_frac <= 1.0:
+            raise ValueError(f"eviction.pairwise_frac must be in (0, 1], got {self.pairwise_frac}")
         if self.k_max is not None and self.k_max <= self.topk:
             raise ValueError(f"eviction.k_max ({self.k_max}) must be > eviction.topk ({self.topk})")
         if self.kernel not in ("auto", "xla", "tpu", "gpu"):
@@ -188,6 +199,35 @@ class TrainConfig:
     def __post_init__(self):
         if not self.phases and self.steps < 1:
             raise ValueError("set steps >= 1 or give phases")
+        if self.data.source == "testbed":       # the generator's knobs, checked now rather than at step 0
+            from kvjax.data import TestbedConfig
+
+            known = {f.name for f in dataclasses.fields(TestbedConfig)}
+            for where, knobs in [("data.testbed", self.data.testbed)] + [
+                    (f"phases[{i}].data", {k: v for k, v in p.data.items() if k != "seq_len"})
+                    for i, p in enumerate(self.phases)]:
+                bad = sorted(set(knobs) - known)
+                if bad:
+                    raise ValueError(f"unknown config key '{where}.{bad[0]}'; known keys here: "
+                                     f"{', '.join(sorted(known))}")
+            for i, p in enumerate(self.all_phases()):
+                knobs = {**self.data.testbed, **{k: v for k, v in p.data.items() if k != "seq_len"}}
+                try:
+                    TestbedConfig(**knobs)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"data.testbed (phase {i}): {e}") from None
+
+    def warnings(self) -> list[str]:
+        """Settings that are legal but probably not meant."""
+        out = []
+        if self.mode != "pretrain":
+            ev = self.eviction
+            budget = ev.sinks + ev.window + (ev.lkv_k_max if self.mode == "distill_lkv" else ev.topk)
+            seq = max(int(p.data.get("seq_len", self.data.seq_len)) for p in self.all_phases())
+            if budget >= seq:
+                out.append(f"the eviction budget sinks + window + topk = {budget} is >= the sequence length {seq}: "
+                           "nothing is ever evicted, so the scorers learn nothing useful")
+        return out
 
     def all_phases(self) -> list[Phase]:
         return list(self.phases) if self.phases else [Phase(steps=self.steps)]

@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from kvjax.configio import to_dict
+from kvjax.dir_lock import DirLock
 from kvjax.sharding import make_mesh
-from kvjax.train.checkpoint import Checkpointer
+from kvjax.train.checkpoint import Checkpointer, write_json_atomic
 from kvjax.train.config import TrainConfig
 from kvjax.train.data import make_dataset, phase_seq_len, testbed_config
 from kvjax.train.metrics_log import MetricsLog
@@ -47,6 +49,7 @@ class _Preempted:
 
     def __init__(self):
         self.flag = False
+        self.signal: str | None = None
         self.old = {}
 
     def __enter__(self):
@@ -56,6 +59,7 @@ class _Preempted:
 
     def _set(self, signum, frame):
         self.flag = True
+        self.signal = signal.Signals(signum).name
 
     def __exit__(self, *exc):
         for sig, h in self.old.items():
@@ -76,7 +80,8 @@ def meta_for(cfg: TrainConfig) -> dict:
     weights found there: a retrained teacher at the same path does not resume a stale run)."""
     d = to_dict(cfg)
     meta = {"mode": cfg.mode, "model": d["model"], "phases": d["phases"], "data": d["data"],
-            "optim": d["optim"], "eviction": d["eviction"], "seed": cfg.seed}
+            "optim": d["optim"], "eviction": d["eviction"], "seed": cfg.seed,
+            "total_steps": cfg.total_steps}   # the learning-rate schedule is laid out over it
     if cfg.model.hf_path:
         meta["model_weights"] = weights_fingerprint(cfg.model.hf_path)
     return meta
@@ -105,9 +110,15 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     maybe_initialize_distributed(cfg)
     out = Path(cfg.out_dir)
     lead = jax.process_index() == 0
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    lock = DirLock(out, "training run") if lead else None
+    try:
+        return _train(cfg, out, lead, stop_after, quiet)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quiet: bool) -> dict:
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=_mesh_devices(cfg))
     task = make_task(cfg)
     p_sh = param_shardings(task.graphdef, task.params, mesh)
@@ -127,14 +138,19 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
     ckpt = Checkpointer(cfg.checkpoint.dir or out / "checkpoints", cfg.checkpoint.keep)
     meta = meta_for(cfg)
     start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
+    if ckpt.latest_step() is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                 {"params": params, "opt_state": opt_state})
-        restored, _ = ckpt.restore(latest, abstract, meta)
-        params, opt_state, start = restored["params"], restored["opt_state"], latest
-        if lead and not quiet:
-            print(f"resumed from {ckpt.dir} at step {start}")
+        good = ckpt.restore_latest_good(abstract, meta, say=lambda m: print(m, file=sys.stderr) if lead else None)
+        if good is not None:
+            restored, _, start = good
+            params, opt_state = restored["params"], restored["opt_state"]
+            if lead and not quiet:
+                print(f"resumed from {ckpt.dir} at step {start}")
+        elif lead:
+            print(f"warning: no readable checkpoint left under {ckpt.dir}; starting from step 0", file=sys.stderr)
+    if lead:   # only now: a refused resume leaves the run's config.json as it was
+        write_json_atomic(out / "config.json", to_dict(cfg))
 
     phases = cfg.all_phases()
     log = MetricsLog(out, tensorboard=cfg.log.tensorboard) if lead else None
@@ -169,7 +185,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
                 if log:
                     log.write(step + 1, m)
                 summary["last_metrics"] = m
-            if cfg.log.eval_every and ((step + 1) % cfg.log.eval_every == 0 or last):
+            if last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0):
                 host_params = _to_host(params)
                 ev = evaluate(cfg, task, host_params) if lead else {}
                 if ev:
@@ -186,8 +202,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
                 bar.close()
                 if lead and not quiet:
                     print(f"stopped at step {step + 1}; checkpoint saved under {ckpt.dir}")
-                summary.update(stopped_at=step + 1, params_tree=params)
+                summary.update(stopped_at=step + 1, params_tree=params, signal=pre.signal)
                 ckpt.close()
+                if log:
+                    log.close()
                 return summary
     ckpt.wait()
     ckpt.close()

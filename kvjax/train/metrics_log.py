@@ -1,5 +1,5 @@
 """``metrics.jsonl`` (one JSON object per logged step), ``eval.jsonl``, and TensorBoard
-event files when ``tensorboardX`` is installed."""
+event files (``tensorboardX``, a dependency) under ``tensorboard/``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ class MetricsLog:
         self.t0 = time.time()
         self.tb = None
         if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-                self.tb = SummaryWriter(str(self.out / "tensorboard"))
-            except ImportError:
-                pass
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out / "tensorboard"))
 
     def _append(self, name: str, record: dict) -> None:
         with open(self.out / name, "a") as f:
@@ -39,3 +37,4 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
+            self.tb = None

@@ -17,8 +17,8 @@ from kvjax.train.checkpoint import CheckpointError
 from kvjax.train.config import TrainConfig
 from kvjax.train.loop import train
 from train_helpers import TINY_MODEL, tiny_config
+from paths import ROOT, TESTS  # noqa: F401
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def leaves(tree):
@@ -89,7 +89,8 @@ def test_checkpoint_of_another_starting_model_is_refused(tmp_path):
         train(cfg(4), quiet=True)
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_saves_and_exits_as_shells_expect(tmp_path, sig, code):
     cfg = tiny_config(tmp_path / "run", steps=100000)
     from kvjax.configio import to_dict
 
@@ -101,17 +102,18 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-2000:]
-    assert "checkpoint saved" in out
+    assert proc.returncode == code, out[-2000:]
+    assert "checkpoint saved" in out and "done:" not in out
+    assert f"interrupted by {sig.name} at step" in out and "resumable" in out
     steps = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
     assert steps and max(steps) >= 5
 
 
 def test_sharded_training_matches_single_device(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+               PYTHONPATH=TESTS)
     res = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sharded_train.py"), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
@@ -234,3 +236,51 @@ def test_full_disk_during_checkpoint_save_keeps_the_previous_one(tmp_path):
     straight = train(tiny_config(tmp_path / "straight", steps=20, **{"checkpoint.every": 10}), quiet=True)
     for a, b in zip(leaves(straight["params_tree"]), leaves(resumed["params_tree"])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_second_run_on_the_same_out_dir_is_refused(tmp_path):
+    from kvjax.dir_lock import DirLock, FolderInUse
+
+    with DirLock(tmp_path / "run"):
+        with pytest.raises(FolderInUse, match=r"run is in use by another training run \(pid \d+\)"):
+            train(tiny_config(tmp_path / "run", steps=2), quiet=True)
+    assert train(tiny_config(tmp_path / "run", steps=2), quiet=True)["steps"] == 2   # released: runs
+
+
+def test_refused_resume_leaves_config_json_alone(tmp_path):
+    train(tiny_config(tmp_path / "run", steps=4), quiet=True)
+    before = (tmp_path / "run" / "config.json").read_text()
+    with pytest.raises(CheckpointError, match="its 'optim' differs"):
+        train(tiny_config(tmp_path / "run", steps=4, **{"optim.lr": 1e-2}), quiet=True)
+    assert (tmp_path / "run" / "config.json").read_text() == before
+
+
+def test_resume_with_other_steps_is_refused(tmp_path):
+    train(tiny_config(tmp_path / "run", steps=8), stop_after=3, quiet=True)
+    with pytest.raises(CheckpointError, match="its 'total_steps' differs \\(8 vs 12\\).*learning-rate schedule"):
+        train(tiny_config(tmp_path / "run", steps=12), quiet=True)
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    cfg = tiny_config(tmp_path / "run", steps=30, **{"checkpoint.every": 10, "checkpoint.keep": 3})
+    assert train(cfg, stop_after=20, quiet=True)["stopped_at"] == 20
+    ckpts = tmp_path / "run" / "checkpoints"
+    for f in (ckpts / "20").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])
+    resumed = train(cfg, quiet=True)
+    err = capsys.readouterr().err
+    assert "checkpoint step 20" in err and "trying the previous checkpoint" in err
+    assert resumed["resumed_from"] == 10
+    assert len(list((ckpts / "damaged").iterdir())) == 1                # kept aside, not deleted
+    straight = train(tiny_config(tmp_path / "straight", steps=30), quiet=True)
+    for a, b in zip(leaves(straight["params_tree"]), leaves(resumed["params_tree"])):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_eval_every_zero_evaluates_at_the_end_and_tensorboard_writes_events(tmp_path):
+    train(tiny_config(tmp_path / "run", steps=4, **{"log.tensorboard": True}), quiet=True)
+    evals = [json.loads(line) for line in open(tmp_path / "run" / "eval.jsonl")]
+    assert [e["step"] for e in evals] == [4] and "lookup_far" in evals[0]
+    events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0

@@ -15,8 +15,8 @@ from kvjax.eviction.learned import from_scorer
 from kvjax.export import export_scorers
 from kvjax.scorers import MLPScorer
 from train_helpers import TINY_MODEL
+from paths import ROOT, TESTS  # noqa: F401
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_teacher(path):

@@ -124,7 +124,7 @@ def test_run_resumes_after_a_torn_write_without_loss_or_duplicates(tiny_chat_mod
         generate_traces(TraceConfig(**{**cfg.__dict__, "temperature": 0.3}), progress=False)
     store = TraceStore(tmp_path / "tr")
     try:
-        with pytest.raises(RuntimeError, match="another trace run is writing here"):
+        with pytest.raises(RuntimeError, match="in use by another trace run"):
             generate_traces(cfg, progress=False)
     finally:
         store.close()

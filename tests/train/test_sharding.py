@@ -8,13 +8,14 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from kvjax.sharding import logical_to_spec
+from paths import ROOT, TESTS  # noqa: F401
 
 
 @pytest.mark.parametrize("name", ["qwen3-gqa", "llama-mqa-llama3rope"])
 def test_sharded_forward_matches_single_device(hf_dir, name):
     folder, _ = hf_dir(name)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    script = os.path.join(os.path.dirname(__file__), "sharded_forward.py")
+    script = os.path.join(TESTS, "sharded_forward.py")
     res = subprocess.run([sys.executable, script, str(folder)], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,22 +1,18 @@
 """`data.lookup_weight`: the pretrain loss weighs lookup tokens by it, and bad values are refused."""
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_helpers import tiny_config  # noqa: E402
+from train_helpers import tiny_config
 
-from kvjax.configio import ConfigError, load_config  # noqa: E402
-from kvjax.data import batch as make_batch  # noqa: E402
-from kvjax.data.testbed import LOOKUP_FAR, LOOKUP_NEAR  # noqa: E402
-from kvjax.train.config import TrainConfig  # noqa: E402
-from kvjax.train.data import testbed_config as config_of  # noqa: E402
-from kvjax.train.tasks import make_task  # noqa: E402
+from kvjax.configio import ConfigError, load_config
+from kvjax.data import batch as make_batch
+from kvjax.data.testbed import LOOKUP_FAR, LOOKUP_NEAR
+from kvjax.train.config import TrainConfig
+from kvjax.train.data import testbed_config as config_of
+from kvjax.train.tasks import make_task
 
 
 def test_loss_is_the_lookup_weighted_mean_of_token_losses(tmp_path):

@@ -65,10 +65,6 @@ def test_phase_validation(kw, msg):
 
 def test_pretrain_loss_uses_key_dropout_only_in_its_phase(tmp_path):
     """The pretrain loss equals the dense loss in a phase without key dropout and differs in one with it."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
     from train_helpers import tiny_config
 
     from kvjax.data import batch as make_batch

@@ -1,0 +1,45 @@
+"""One writer per output folder: an exclusive, non-blocking ``flock`` on ``<folder>/.lock``.
+
+The lock goes with the process (a killed run leaves no stale lock behind), and a second
+run on the same folder is refused at once with a message naming the folder and the pid
+of the run that holds it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+
+class FolderInUse(RuntimeError):
+    """Another process writes to this folder."""
+
+
+class DirLock:
+    def __init__(self, folder: str | os.PathLike, what: str = "run"):
+        self.path = Path(folder) / ".lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "unknown"
+            self._f.close()
+            raise FolderInUse(f"{self.path.parent} is in use by another {what} (pid {holder}); wait for it to "
+                              "finish, or use another out_dir") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(str(os.getpid()))
+        self._f.flush()
+
+    def release(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
