@@ -145,6 +145,46 @@ def load_config(cls, path: str | Path | None, overrides: Sequence[str] = ()):
     return from_dict(cls, apply_overrides(data, overrides))
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """``{field: the comment on its line}`` from the dataclass's source (empty if unavailable)."""
+    import inspect
+    import re
+
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    out = {}
+    for line in src.splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^#]*?#\s*(.+)$", line)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def describe_keys(cls, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, default, meaning)`` of every field of ``cls``, nested sections expanded."""
+    hints = typing.get_type_hints(cls)
+    notes = _field_comments(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows += describe_keys(tp, key + ".")
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+            if dataclasses.is_dataclass(default):
+                default = to_dict(default)
+        else:
+            default = "(required)"
+        rows.append((key, repr(default) if isinstance(default, str) else str(default), notes.get(f.name, "")))
+    return rows
+
+
 def cli_config(cls, prog: str, doc: str, argv=None, extra=None):
     """Parse ``--config FILE`` and ``--set key=value`` (plus ``extra(parser)`` flags) into
     ``(config of type cls, args)``; a bad config prints ``prog: message`` and exits with 2."""
@@ -155,9 +195,16 @@ def cli_config(cls, prog: str, doc: str, argv=None, extra=None):
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (dotted path), e.g. --set optim.lr=1e-3")
+    ap.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
     if extra is not None:
         extra(ap)
     args = ap.parse_args(argv)
+    if args.list_keys:
+        rows = describe_keys(cls)
+        width = max(len(k) for k, _, _ in rows)
+        for key, default, meaning in rows:
+            print(f"{key:<{width}}  {default}" + (f"    # {meaning}" if meaning else ""))
+        raise SystemExit(0)
     try:
         return load_config(cls, args.config, args.set), args
     except (ConfigError, FileNotFoundError) as e:

@@ -17,13 +17,13 @@ class ModelSection:
     without the weights, and loading checks that the folder matches the preset.
     """
 
-    hf_path: str | None = None
-    preset: str | None = None
+    hf_path: str | None = None               # Hugging Face folder with the starting weights
+    preset: str | None = None                # model shapes by name (kvjax.preset: qwen3-0.6b ... llama-3.1-8b)
     config: dict[str, Any] | None = None      # config.json-style fields (model_type, hidden_size, ...)
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
-    init_std: float = 0.02
-    embed_init_std: float = 0.02
+    param_dtype: str = "float32"             # parameter dtype (float32 | bfloat16)
+    compute_dtype: str = "float32"           # activation dtype
+    init_std: float = 0.02                   # normal init std of new weights (no hf_path)
+    embed_init_std: float = 0.02             # normal init std of new embeddings
     qk_norm_init: float = 1.0                 # Qwen3 q/k RMSNorm weights at init (sharper early attention)
 
     def __post_init__(self):
@@ -35,15 +35,15 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: Literal["testbed", "tokens"] = "testbed"
+    source: Literal["testbed", "tokens"] = "testbed" # testbed (synthetic traces) | tokens (a JSONL of token ids)
     testbed: dict[str, Any] = field(default_factory=dict)   # TestbedConfig fields
     path: str | None = None                                 # token file(s) for source=tokens
-    seq_len: int = 512
-    batch_size: int = 32
+    seq_len: int = 512                       # tokens per training sequence
+    batch_size: int = 32                     # sequences per step (all processes together)
     loss_on: Literal["all", "trace"] = "all"                # 'trace': not on the prompt
     lookup_weight: float = 1.0                              # testbed: loss weight of lookup tokens
-    eval_problems: int = 256
-    seed: int = 0
+    eval_problems: int = 256                 # held-out testbed problems of the final evaluation
+    seed: int = 0                            # data order seed
 
     def __post_init__(self):
         if self.seq_len < 2:
@@ -60,17 +60,17 @@ class DataSection:
 
 @dataclass(frozen=True)
 class OptimSection:
-    lr: float = 3e-3
-    lr_scorers: float = 1e-3
-    lr_lkv: float = 1e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.98
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    grad_accum: int = 1
+    lr: float = 3e-3                         # peak learning rate of the backbone (AdamW)
+    lr_scorers: float = 1e-3                 # peak learning rate of KVpop's scorers
+    lr_lkv: float = 1e-3                     # peak learning rate of LKV's budget and token networks
+    warmup_steps: int = 50                   # linear warmup, then cosine decay
+    min_lr_ratio: float = 0.1                # final learning rate / peak
+    weight_decay: float = 0.0                # AdamW weight decay
+    b1: float = 0.9                          # AdamW beta1
+    b2: float = 0.98                         # AdamW beta2
+    eps: float = 1e-8                        # AdamW epsilon
+    clip_norm: float = 1.0                   # global gradient-norm clip (0: off)
+    grad_accum: int = 1                      # micro-batches per step
     schedule_per_phase: bool = False   # restart warmup + cosine at every curriculum phase
 
     def __post_init__(self):
@@ -103,25 +103,25 @@ class Phase:
 
 @dataclass(frozen=True)
 class MeshSection:
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    multi_host: bool = False
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
+    data: int = 1                            # data-parallel mesh axis size
+    fsdp: int = 1                            # fully-sharded data-parallel axis size
+    tensor: int = 1                          # tensor-parallel axis size
+    multi_host: bool = False                 # call jax.distributed.initialize (TPU pods, multi-node GPU)
+    coordinator: str | None = None           # host:port of process 0 (multi_host without a launcher)
+    num_processes: int | None = None         # with coordinator: number of processes
+    process_id: int | None = None            # with coordinator: this process's index
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
     every: int = 0            # steps between saves; 0 = only at the end and on preemption
-    keep: int = 3
+    keep: int = 3                            # checkpoints kept on disk
     dir: str | None = None    # default: <out_dir>/checkpoints
 
 
 @dataclass(frozen=True)
 class LogSection:
-    every: int = 10
+    every: int = 10                          # steps between metrics.jsonl rows
     eval_every: int = 0       # steps between held-out evaluations; 0 = only at the end
     tensorboard: bool = True  # TensorBoard event files under out_dir/tensorboard (tensorboardX)
 
@@ -134,20 +134,20 @@ class LogSection:
 class EvictionSection:
     """Budget and scorers of the sparse student (``distill_kvpop``, ``distill_lkv``)."""
 
-    sinks: int = 4
-    window: int = 64
+    sinks: int = 4                           # first tokens always kept
+    window: int = 64                         # most recent tokens always kept (>= 1)
     topk: int = 64                   # long-range slots per head (LKV: the average over heads)
     k_max: int | None = None         # LKV: most long-range slots one head may fill (default 2 * topk)
-    scorer: Literal["mlp", "mlstm"] = "mlp"
+    scorer: Literal["mlp", "mlstm"] = "mlp"  # KVpop token scorer: mlp | mlstm
     scorer_hidden: int = 64          # MLP width
     mlstm_qk_dim: int = 16           # mLSTM key/query width
-    mlstm_chunk: int = 64
+    mlstm_chunk: int = 64                    # mLSTM chunk length (chunkwise-parallel form)
     mlstm_readout_norm: bool = True  # RMS-normalise the mLSTM read before its head (kvjax.scorers.mlstm)
-    regression_weight: float = 1.0
+    regression_weight: float = 1.0           # KVpop: weight of the scorer's regression loss
     regression_centred: bool = True  # fit r_hat up to a per-head offset (the keep rule ignores it)
-    pairwise_weight: float = 1.0
+    pairwise_weight: float = 1.0             # KVpop: weight of the boundary pairwise loss
     pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
-    kd_weight: float = 1.0
+    kd_weight: float = 1.0                   # weight of the KL to the dense teacher
     kd_topk: int = 0                 # 0: KL over the full vocabulary
     kernel: str = "auto"             # sparse attention + target: auto | xla | tpu | gpu (pallas_kernels)
     kernel_interpret: bool = False   # run a kernel backend in Pallas interpret mode (CPU tests)
@@ -181,14 +181,14 @@ class EvictionSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    mode: Mode = "pretrain"
-    out_dir: str = "runs/default"
-    seed: int = 0
+    mode: Mode = "pretrain"                  # pretrain | distill_kvpop | distill_lkv
+    out_dir: str = "runs/default"            # config.json, metrics.jsonl, eval.jsonl, checkpoints/ (one run at a time)
+    seed: int = 0                            # parameter init and dropout seed
     steps: int = 0            # used when phases is empty
     model: ModelSection = field(default_factory=lambda: ModelSection(preset="qwen3-0.6b"))
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
-    phases: list[Phase] = field(default_factory=list)
+    phases: list[Phase] = field(default_factory=list)   # curriculum: [{steps, data, trainable, lr_scale, ...}]
     mesh: MeshSection = field(default_factory=MeshSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)

@@ -135,3 +135,16 @@ def test_save_hf_keeps_the_umask_mode(hf_dir, tmp_path):
         os.umask(old)
     assert oct(out.stat().st_mode & 0o777) == oct(0o755)
     assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
+
+
+def test_list_keys_prints_every_key_with_default_and_meaning():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--list-keys"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[0]: line for line in res.stdout.splitlines()}
+    assert {"optim.lr", "eviction.window", "data.testbed", "log.tensorboard", "mesh.fsdp"} <= set(rows)
+    assert "0.003" in rows["optim.lr"] and "# peak learning rate" in rows["optim.lr"]
+    assert all("#" in line for line in rows.values()), [k for k, v in rows.items() if "#" not in v]
