@@ -83,13 +83,18 @@ def _kvjax_policy(kind: str, cfg, budget: int):
 
 
 def run_kvjax(model_dir: str, kind: str, length: int, batch: int, steps: int, repeats: int, budget: int) -> dict:
+    import kvjax
+
+    return time_kvjax_decode(kvjax.load_hf(model_dir), kind, length, batch, steps, repeats, budget)
+
+
+def time_kvjax_decode(model, kind: str, length: int, batch: int, steps: int, repeats: int, budget: int) -> dict:
+    """Seconds per decode step of ``model`` with the dense cache or KVpop's bounded one
+    (``kind``: dense | kvpop), starting at ``length`` tokens, ``steps`` steps in one jit."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    import kvjax
-
-    model = kvjax.load_hf(model_dir)
     cfg = model.config
     policy = _kvjax_policy(kind, cfg, budget)
     graphdef, params = nnx.split(model)

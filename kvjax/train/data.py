@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import grain
 import jax
 import numpy as np
 
@@ -79,8 +78,13 @@ def phase_seq_len(data: DataSection, phase: Phase | None) -> int:
     return int((phase.data if phase else {}).get("seq_len", data.seq_len))
 
 
-def make_dataset(data: DataSection, phase: Phase | None, seed: int) -> grain.MapDataset:
-    """Batched dataset of this process's rows: ``ds[i]`` is the i-th batch of the phase."""
+def make_dataset(data: DataSection, phase: Phase | None, seed: int):
+    """Batched ``grain.MapDataset`` of this process's rows: ``ds[i]`` is the i-th batch of the phase.
+
+    grain is imported here, not at module import: only the training data pipeline needs it
+    (the device check runs where grain is not installed)."""
+    import grain
+
     seq_len = phase_seq_len(data, phase)
     if data.source == "testbed":
         ds = grain.MapDataset.source(TestbedSource(testbed_config(data, phase), "train", seq_len))
