@@ -31,7 +31,8 @@ def main(argv=None) -> int:
 
     try:
         summary = train(cfg)
-    except (CheckpointError, FolderInUse) as e:
+    except (CheckpointError, FolderInUse, FileNotFoundError, ValueError, KeyError) as e:
+        # bad input found at run time (a missing or damaged file, a folder in use): one line, no traceback
         print(f"train.py: error: {e}", file=sys.stderr)
         return 1
     if "stopped_at" in summary:

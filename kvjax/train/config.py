@@ -42,7 +42,7 @@ class DataSection:
     batch_size: int = 32                     # sequences per step (all processes together)
     loss_on: Literal["all", "trace"] = "all"                # 'trace': not on the prompt
     lookup_weight: float = 1.0                              # testbed: loss weight of lookup tokens
-    eval_problems: int = 256                 # held-out testbed problems of the final evaluation
+    eval_problems: int = 256                 # held-out testbed problems of each evaluation (0: none)
     seed: int = 0                            # data order seed
 
     def __post_init__(self):
@@ -50,6 +50,8 @@ class DataSection:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.eval_problems < 0:
+            raise ValueError(f"data.eval_problems must be >= 0, got {self.eval_problems}")
         if self.source == "tokens" and not self.path:
             raise ValueError("data.path is required when data.source is 'tokens'")
         if self.lookup_weight <= 0:

@@ -185,7 +185,7 @@ def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quie
                 if log:
                     log.write(step + 1, m)
                 summary["last_metrics"] = m
-            if last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0):
+            if cfg.data.eval_problems and (last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0)):
                 host_params = _to_host(params)
                 ev = evaluate(cfg, task, host_params) if lead else {}
                 if ev:

@@ -279,7 +279,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caps
 
 
 def test_eval_every_zero_evaluates_at_the_end_and_tensorboard_writes_events(tmp_path):
-    train(tiny_config(tmp_path / "run", steps=4, **{"log.tensorboard": True}), quiet=True)
+    train(tiny_config(tmp_path / "run", steps=4, **{"log.tensorboard": True, "data.eval_problems": 8}), quiet=True)
     evals = [json.loads(line) for line in open(tmp_path / "run" / "eval.jsonl")]
     assert [e["step"] for e in evals] == [4] and "lookup_far" in evals[0]
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
