@@ -31,7 +31,8 @@ INTEGRATION = {
     "convert/test_real_model.py", "traces/test_traces.py", "train/test_train_loop.py",
     "train/test_distill_kvpop.py", "train/test_distill_lkv.py", "train/test_sharding.py",
     "evaluation/test_eval_cli.py", "kernels/test_kernels.py", "generation/test_generate.py",
-    "eviction/test_eviction_state.py", "project/test_device_check.py",
+    "eviction/test_eviction_state.py", "project/test_device_check.py", "scorers/test_export.py",
+    "train/test_key_dropout.py",
 }
 
 
