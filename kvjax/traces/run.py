@@ -31,17 +31,17 @@ class TraceConfig:
     model_dir: str | None = None          # HF folder; default: SmolLM2 via kvjax.real_model (fetched once)
     out_dir: str = "runs/traces/smollm2"
     num_traces: int = 272                 # prompts 0 .. num_traces-1
-    seed: int = 0
-    batch_size: int = 16
-    min_tokens: int = 512                 # continue a conversation with a follow-up turn below this
+    seed: int = 0                         # prompts, sampling and the split
+    batch_size: int = 16                  # conversations sampled together
+    min_tokens: int = 512                 # below this a conversation goes on (cut answer or follow-up)
     max_tokens: int = 2048                # every trace is cut here
     turn_max_new: int = 384               # new tokens per assistant turn at most
-    max_turns: int = 5
-    temperature: float = 0.7
-    top_p: float = 0.9
-    top_k: int = 0
+    max_turns: int = 5                    # assistant turns at most (first + follow-ups)
+    temperature: float = 0.7              # sampling (0: greedy)
+    top_p: float = 0.9                    # nucleus sampling (1: off)
+    top_k: int = 0                        # top-k sampling (0: off)
     split_fractions: list[float] = field(default_factory=lambda: [0.8, 0.1, 0.1])   # train / valid / test
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"   # parameter and compute dtype
 
     def __post_init__(self):
         if self.num_traces < 1 or self.batch_size < 1 or self.max_turns < 1 or self.turn_max_new < 1:
