@@ -266,6 +266,11 @@ def run_section(name: str, out: Path, smoke: bool) -> None:
     (out / f"{name}.json").write_text(json.dumps(result, indent=2, default=str))
 
 
+def _gib(row: dict) -> str:
+    peak = row.get("peak_device_bytes")
+    return "" if peak is None else f"{peak / 2**30:.1f}"
+
+
 def markdown(report: dict) -> str:
     env = report["sections"].get("env", {})
     lines = [f"# kvjax device check ({'smoke' if report['smoke'] else 'full'})", "",
@@ -288,16 +293,12 @@ def markdown(report: dict) -> str:
             lines += [f"S = {r['S']}: `{r['error']}`" for r in sec["rows"] if "error" in r]
         elif name == "decode":
             lines += ["| cache | context | ms/token | peak device GiB |", "|---|---|---|---|"]
-            for r in sec["rows"]:
-                peak = r.get("peak_device_bytes")
-                lines.append(f"| {r['impl']} | {r['length']} | {r.get('ms_per_token', r.get('error'))} | "
-                             f"{'' if peak is None else f'{peak / 2**30:.1f}'} |")
+            lines += [f"| {r['impl']} | {r['length']} | {r.get('ms_per_token', r.get('error'))} | {_gib(r)} |"
+                      for r in sec["rows"]]
         elif name == "distill":
             lines += ["| kernel | step s | first step s | peak device GiB |", "|---|---|---|---|"]
-            for r in sec["rows"]:
-                peak = r.get("peak_device_bytes")
-                lines.append(f"| {r['kernel']} | {r.get('step_s', r.get('error'))} | "
-                             f"{r.get('compile_and_first_s', '')} | {'' if peak is None else f'{peak / 2**30:.1f}'} |")
+            lines += [f"| {r['kernel']} | {r.get('step_s', r.get('error'))} | {r.get('compile_and_first_s', '')} | "
+                      f"{_gib(r)} |" for r in sec["rows"]]
         else:
             lines.append("\n".join(f"- {k}: {v}" for k, v in sec.items() if k not in ("ok", "seconds")))
         lines.append("")

