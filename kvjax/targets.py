@@ -38,9 +38,15 @@ def _group(q_BSHD, K):
     return q_BSHD.reshape(B, S, K, H // K, D)
 
 
-def _finish(log_mass_BKGS, S: int, window: int, aggregate: str, eps: float):
+def _valid_length(S: int, lengths_B):
+    """``[B or 1, 1]`` query count of each row: its length, or ``S`` (rows padded on the right)."""
+    return jnp.full((1, 1), S) if lengths_B is None else jnp.asarray(lengths_B)[:, None]
+
+
+def _finish(log_mass_BKGS, S: int, window: int, aggregate: str, eps: float, lengths_B=None):
     t = jnp.arange(S)
-    log_n = jnp.log(jnp.maximum(1, S - (t + window)).astype(jnp.float32))
+    n_BS = _valid_length(S, lengths_B)
+    log_n = jnp.log(jnp.maximum(1, n_BS - (t + window)).astype(jnp.float32))[:, None, None, :]
     log_m = log_mass_BKGS - log_n
     if aggregate == "max":
         out = jnp.logaddexp(jnp.max(log_m, axis=2), jnp.log(eps))
@@ -49,10 +55,10 @@ def _finish(log_mass_BKGS, S: int, window: int, aggregate: str, eps: float):
         out = jnp.logaddexp(jax.nn.logsumexp(log_m, axis=2) - jnp.log(G), jnp.log(eps))
     else:
         raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
-    return jnp.where(t + window < S, out, NEG)
+    return jnp.where((t + window < n_BS)[:, None, :], out, NEG)
 
 
-def _scan_future(q, k, window: int, lse, block: int, reduce: str):
+def _scan_future(q, k, window: int, lse, block: int, reduce: str, lengths_B=None):
     """Per-key reduction over queries ``d >= t + w`` of ``log p(d -> t)``, blockwise over
     queries: ``reduce="sum"`` gives the log of the summed mass, ``"max"`` the log of the
     largest probability; ``float32 [B, Hkv, G, S]``, never forming ``S x S``."""
@@ -79,8 +85,8 @@ def _scan_future(q, k, window: int, lse, block: int, reduce: str):
         lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
         logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
         logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
-        ok = (d[:, None] >= t[None, :] + window) & (d[:, None] < S)
-        logits = jnp.where(ok, logits, NEG)
+        ok = (d[None, :, None] >= t[None, None, :] + window) & (d[None, :, None] < _valid_length(S, lengths_B)[:, :, None])
+        logits = jnp.where(ok[:, None, None], logits, NEG)
         if reduce == "sum":
             return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
         return jnp.maximum(acc_BKGS, jnp.max(logits, axis=3)), None
@@ -90,23 +96,25 @@ def _scan_future(q, k, window: int, lse, block: int, reduce: str):
 
 
 def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8,
-                            block: int = 256):
+                            block: int = 256, lengths_B=None):
     """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` (post-RoPE) -> ``float32 [B, Hkv, S]`` log future mass.
 
     ``lse [B, S, Hq]``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
+    ``lengths_B``: each row's length when rows are padded on the right (``S`` in the
+    equation becomes the row's length; padding queries read nothing).
     """
     if aggregate not in ("max", "mean"):
         raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
-    acc = _scan_future(q, k, window, lse, block, "sum")
-    return _finish(acc, q.shape[1], window, aggregate, eps)
+    acc = _scan_future(q, k, window, lse, block, "sum", lengths_B)
+    return _finish(acc, q.shape[1], window, aggregate, eps, lengths_B)
 
 
-def peak_future_attention(q, k, *, window: int, lse=None, block: int = 256):
+def peak_future_attention(q, k, *, window: int, lse=None, block: int = 256, lengths_B=None):
     """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` -> ``float32 [B, Hkv, S]``: ``r_peak`` above
     (``-inf`` where ``t + w >= S``), blockwise over queries like the mean target."""
     S = q.shape[1]
-    acc = jnp.max(_scan_future(q, k, window, lse, block, "max"), axis=2)
-    return jnp.where(jnp.arange(S) + window < S, acc, NEG)
+    acc = jnp.max(_scan_future(q, k, window, lse, block, "max", lengths_B), axis=2)
+    return jnp.where((jnp.arange(S) + window < _valid_length(S, lengths_B))[:, None, :], acc, NEG)
 
 
 def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8):

@@ -1,12 +1,13 @@
-"""Generate a model's own reasoning traces: batched, jitted sampling of multi-turn chats.
+"""Generate a model's own reasoning traces: multi-turn chats sampled with continuous batching.
 
-A batch of prompts (:mod:`kvjax.traces.prompts`) is answered with ``kvjax.generate``;
-a conversation shorter than ``min_tokens`` goes on: an answer cut at ``turn_max_new``
-continues in the next round, an answer that ended gets the next follow-up user turn, up
-to ``max_turns`` turns; every trace is cut at ``max_tokens``. Batch ``j``
-always holds prompts ``j*B ... j*B+B-1`` and samples with a seed derived from
-``(seed, j, turn)``, so a resumed run regenerates an interrupted batch exactly and writes
-only the traces that are missing.
+Prompts (:mod:`kvjax.traces.prompts`) are answered by a
+:class:`~kvjax.traces.stream.StreamSampler`: ``batch_size`` rows each hold one
+conversation, and a row whose conversation stops takes the next prompt at once. A
+conversation shorter than ``min_tokens`` goes on: an answer cut at ``turn_max_new`` keeps
+sampling, an answer that ended gets the next follow-up user turn, up to ``max_turns``
+turns; every trace is cut at ``max_tokens``. A conversation's sampling keys depend only on
+``(seed, prompt index, position)``, so a resumed run regenerates an interrupted
+conversation exactly and writes only the traces that are missing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import numpy as np
 from kvjax.text import encode_prompts, stop_token_ids
 from kvjax.traces.prompts import Prompt, make_prompt, prompt_id
 from kvjax.traces.store import SPLITS, TraceStore
+from kvjax.traces.stream import ENDED, RUNNING, TURN_CAP, StreamSampler
+
+
+SAMPLER = "stream-v1"      # how tokens are drawn; traces of another sampler are not resumed into
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,8 @@ class TraceConfig:
     out_dir: str = "runs/traces/smollm2"
     num_traces: int = 272                 # prompts 0 .. num_traces-1
     seed: int = 0                         # prompts, sampling and the split
-    batch_size: int = 16                  # conversations sampled together
+    batch_size: int = 16                  # conversations sampled together (rows of the continuous batch)
+    chunk_steps: int = 16                 # decode steps between two looks of the host at the rows
     min_tokens: int = 512                 # below this a conversation goes on (cut answer or follow-up)
     max_tokens: int = 2048                # every trace is cut here
     turn_max_new: int = 384               # new tokens per assistant turn at most
@@ -44,8 +50,8 @@ class TraceConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"   # parameter and compute dtype
 
     def __post_init__(self):
-        if self.num_traces < 1 or self.batch_size < 1 or self.max_turns < 1 or self.turn_max_new < 1:
-            raise ValueError("num_traces, batch_size, max_turns and turn_max_new must be >= 1")
+        if min(self.num_traces, self.batch_size, self.max_turns, self.turn_max_new, self.chunk_steps) < 1:
+            raise ValueError("num_traces, batch_size, chunk_steps, max_turns and turn_max_new must be >= 1")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {self.min_tokens} and {self.max_tokens}")
         if len(self.split_fractions) != 3 or any(f < 0 for f in self.split_fractions) or \
@@ -82,51 +88,71 @@ def _turn_tokens(tok, text: str) -> list[int]:
     return tok.encode(("\n" if head.endswith(end + "\n") else "") + tail, add_special_tokens=False)
 
 
-def run_batch(model, tok, prompts: list[Prompt], cfg: TraceConfig, batch_index: int, generate=None) -> \
-        tuple[list[Conversation], int]:
-    """Answer one batch of prompts turn by turn; ``(conversations, tokens generated)``."""
-    import kvjax
+def run_stream(sampler, tok, jobs, cfg: TraceConfig, on_finish) -> tuple[int, int]:
+    """Sample the conversations ``jobs`` (``(index, Prompt)`` pairs, in order) with continuous
+    batching on ``sampler`` (a :class:`~kvjax.traces.stream.StreamSampler` or a stand-in);
+    ``on_finish(conversation)`` gets each as soon as it stops. Returns ``(tokens sampled,
+    tokens fed)``.
 
-    generate = generate or kvjax.generate
-    eos = stop_token_ids(model, tok)
-    convs = [Conversation(p, ids, len(ids)) for p, ids in
-             zip(prompts, encode_prompts(tok, [p.messages for p in prompts], chat=True))]
-    for c in convs:
-        if c.prompt_len >= cfg.max_tokens:
-            c.tokens, c.active = c.tokens[:cfg.max_tokens], False
-    generated = 0
-    for rnd in range(cfg.max_turns + 2):   # a turn cut at turn_max_new goes on in the next round
-        live = [c for c in convs if c.active]
-        if not live:
-            break
-        # two batch shapes (full, and a quarter for the stragglers of later rounds) bound the compiles
-        small = max(1, cfg.batch_size // 4)
-        shape = small if len(live) <= small else cfg.batch_size
-        rows = [c.tokens for c in live] + [live[0].tokens] * (shape - len(live))
-        longest = max(len(r) for r in rows)
-        max_new = max(1, min(cfg.turn_max_new, cfg.max_tokens - min(len(c.tokens) for c in live),
-                             model.config.max_position_embeddings - longest))
-        out = np.asarray(generate(model, rows, max_new, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  top_k=cfg.top_k, seed=cfg.seed * 1_000_003 + batch_index * 101 + rnd,
-                                  eos_token_id=eos))
-        for c, row in zip(live, out[:, longest:]):
-            hit = np.flatnonzero(np.isin(row, eos))
-            c.complete = hit.size > 0
-            piece = row[: hit[0] + 1] if c.complete else row
-            c.tokens += [int(t) for t in piece]
-            c.turns += int(c.complete)
-            c.new_tokens += len(piece)
-            generated += len(piece)
-            if len(c.tokens) >= cfg.min_tokens:
-                c.active = False
-            elif c.complete:              # ask the next follow-up, if any are left
-                if c.turns < min(cfg.max_turns, len(c.prompt.followups) + 1):
-                    c.tokens += _turn_tokens(tok, c.prompt.followups[c.turns - 1])
-                else:
-                    c.active = False
-            c.tokens = c.tokens[: cfg.max_tokens]
-            c.active = c.active and len(c.tokens) < cfg.max_tokens
-    return convs, generated
+    A conversation shorter than ``min_tokens`` goes on: a turn cut at ``turn_max_new`` keeps
+    sampling, a turn that ended gets the next follow-up (up to ``max_turns`` turns); the
+    cache holds ``max_tokens`` positions, where every trace is cut.
+    """
+    jobs = iter(jobs)
+    convs: list[Conversation | None] = [None] * sampler.batch
+    pending = [0] * sampler.batch          # forced tokens of the row not fed yet
+    sampled = fed_total = 0
+
+    def start(row: int) -> None:
+        for index, prompt in jobs:
+            ids = encode_prompts(tok, [prompt.messages], chat=True)[0]
+            c = Conversation(prompt, ids, len(ids))
+            if len(ids) >= cfg.max_tokens:
+                c.tokens, c.active = ids[:cfg.max_tokens], False
+                on_finish(c)
+                continue
+            sampler.load(row, ids, index)
+            c.tokens = []                       # the prompt comes back with the fed tokens
+            convs[row], pending[row] = c, len(ids)
+            return
+        convs[row] = None
+        sampler.idle(row)
+
+    def finish(row: int) -> None:
+        convs[row].active = False
+        on_finish(convs[row])
+        start(row)
+
+    for row in range(sampler.batch):
+        start(row)
+    while any(c is not None for c in convs):
+        fed = sampler.run()
+        for row, c in enumerate(convs):
+            if c is None:
+                continue
+            toks = fed[row]
+            new = max(0, len(toks) - pending[row])
+            pending[row] = max(0, pending[row] - len(toks))
+            c.tokens += toks
+            c.new_tokens += new
+            sampled, fed_total = sampled + new, fed_total + len(toks)
+            reason = int(sampler.small["reason"][row])
+            if reason == RUNNING:
+                continue
+            if reason == ENDED:
+                c.turns, c.complete = c.turns + 1, True
+                room = cfg.max_tokens - len(c.tokens)
+                if len(c.tokens) < cfg.min_tokens and c.turns < min(cfg.max_turns, len(c.prompt.followups) + 1) \
+                        and room > 0:
+                    follow = _turn_tokens(tok, c.prompt.followups[c.turns - 1])[:room]
+                    sampler.load(row, follow, reset=False)
+                    c.complete, pending[row] = False, len(follow)
+                    continue
+            elif reason == TURN_CAP and len(c.tokens) < cfg.min_tokens:
+                sampler.resume(row)
+                continue
+            finish(row)
+    return sampled, fed_total
 
 
 def trace_row(c: Conversation, cfg: TraceConfig) -> dict:
@@ -158,40 +184,39 @@ def generate_traces(cfg: TraceConfig, *, model=None, tokenizer=None, progress: b
     try:
         folder = Path(cfg.model_dir) if cfg.model_dir else ensure_model()
         cfg_file = Path(cfg.out_dir) / "trace_config.json"
-        mine = {**dataclasses.asdict(cfg), "model_dir": str(folder)}
+        mine = {**dataclasses.asdict(cfg), "model_dir": str(folder), "sampler": SAMPLER}
         mine.pop("out_dir")
         if cfg_file.exists() and store.done:
             old = json.loads(cfg_file.read_text())
-            diff = sorted(k for k in mine if k != "num_traces" and old.get(k) != mine[k])
+            free = ("num_traces", "batch_size", "chunk_steps")      # they do not change a trace's tokens
+            diff = sorted(k for k in mine if k not in free and old.get(k) != mine[k])
             if diff:
                 raise ValueError(f"{cfg.out_dir} holds traces made with other settings ({', '.join(diff)}); "
                                  "pick another out_dir or the same settings")
         cfg_file.write_text(json.dumps(mine, indent=2))
         model = model or kvjax.load_hf(folder, dtype=cfg.dtype)
         tok = tokenizer or transformers.AutoTokenizer.from_pretrained(folder)
-        B = cfg.batch_size
-        n_batches = -(-cfg.num_traces // B)
-        t_gen, n_gen, t0 = 0.0, 0, time.time()
-        bar = tqdm(total=cfg.num_traces, initial=sum(1 for i in range(cfg.num_traces)
-                                                       if prompt_id(i) in store.done),
-                   desc="traces", unit="trace", disable=not progress)
-        for j in range(n_batches):
-            idx = range(j * B, min((j + 1) * B, cfg.num_traces))
-            if all(prompt_id(i) in store.done for i in idx):
-                continue
-            prompts = [make_prompt(cfg.seed, i) for i in range(j * B, (j + 1) * B)]   # whole batch: same seeds
-            t1 = time.time()
-            convs, n = run_batch(model, tok, prompts, cfg, j)
-            t_gen, n_gen = t_gen + time.time() - t1, n_gen + n
-            rows = [trace_row(c, cfg) for c, i in zip(convs, range(j * B, (j + 1) * B)) if i < cfg.num_traces]
-            missing = [r for r in rows if r["id"] not in store.done]
-            store.append(missing)
-            bar.update(len(missing))
-            bar.set_postfix(tok_s=f"{n_gen / max(t_gen, 1e-9):.1f}")
+        todo = [(i, make_prompt(cfg.seed, i)) for i in range(cfg.num_traces) if prompt_id(i) not in store.done]
+        bar = tqdm(total=cfg.num_traces, initial=cfg.num_traces - len(todo), desc="traces", unit="trace",
+                   disable=not progress)
+        t0 = time.time()
+
+        def write(c: Conversation) -> None:
+            store.append([trace_row(c, cfg)])
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{sampler.fed_tokens / max(time.time() - t0, 1e-9):.1f}")
+
+        sampler = StreamSampler(model, batch=min(cfg.batch_size, max(len(todo), 1)), max_len=cfg.max_tokens,
+                                eos_ids=stop_token_ids(model, tok), turn_cap=cfg.turn_max_new,
+                                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed,
+                                chunk=cfg.chunk_steps)
+        n_gen, n_fed = run_stream(sampler, tok, todo, cfg, write) if todo else (0, 0)
         bar.close()
-        summary = {"model_dir": str(folder), "batch_size": B, "run_wall_s": round(time.time() - t0, 1),
-                   "run_generated_tokens": n_gen,
-                   "run_tokens_per_s": round(n_gen / t_gen, 2) if t_gen else None, "splits": {}}
+        wall = time.time() - t0
+        summary = {"model_dir": str(folder), "batch_size": cfg.batch_size, "run_wall_s": round(wall, 1),
+                   "run_traces": len(todo), "run_sampled_tokens": n_gen, "run_fed_tokens": n_fed,
+                   "run_tokens_per_s": round(n_fed / wall, 2) if n_fed else None,
+                   "run_sampled_tokens_per_s": round(n_gen / wall, 2) if n_gen else None, "splits": {}}
         lengths = []
         for split in SPLITS:
             rows = store.rows(split)

@@ -10,9 +10,13 @@ import transformers
 from kvjax.sampling import bucket, check_sampling, filter_logits, sample_logits
 
 
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.5), (0, 0.9), (20, 0.8), (1, 1.0), (0, 1e-4)])
-def test_kept_set_matches_transformers_warpers(top_k, top_p):
-    logits = np.random.RandomState(0).randn(6, 50).astype(np.float32) * 3
+@pytest.mark.parametrize("top_k,top_p,vocab,scale", [
+    (5, 1.0, 50, 3), (0, 0.5, 50, 3), (0, 0.9, 50, 3), (20, 0.8, 50, 3), (1, 1.0, 50, 3), (0, 1e-4, 50, 3),
+    # a vocabulary larger than the 256 candidates: peaked (the cut lies among them), flat (full
+    # sort), top-k beyond them (full sort), top-k within them
+    (0, 0.9, 2000, 8), (0, 0.9, 2000, 0.5), (300, 0.95, 2000, 1), (100, 0.9, 2000, 0.5), (600, 1.0, 2000, 1)])
+def test_kept_set_matches_transformers_warpers(top_k, top_p, vocab, scale):
+    logits = np.random.RandomState(0).randn(6, vocab).astype(np.float32) * scale
     got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), jnp.int32(top_k), jnp.float32(top_p))))
     x = torch.tensor(logits)
     if top_k:

@@ -12,8 +12,9 @@ import kvjax
 from kvjax.convert.hf_io import COMPANION_FILES
 from kvjax.real_model import ensure_model
 from kvjax.traces import TraceConfig, generate_traces, make_prompt
-from kvjax.traces.run import run_batch
+from kvjax.traces.run import run_stream
 from kvjax.traces.store import TraceStore
+from kvjax.traces.stream import ENDED, FULL, IDLE, RUNNING, TURN_CAP, StreamSampler
 
 
 @pytest.fixture(scope="module")
@@ -43,48 +44,119 @@ def test_prompts_are_seeded_and_offline():
     assert q.answer is not None and q.messages[0]["content"].count("step by step") >= 1
 
 
-class ScriptedGenerate:
-    """Stands in for ``kvjax.generate``: row r of round k writes ``lengths[k][r]`` tokens of 7,
-    then EOS when ``ends[k][r]``."""
+class ScriptedSampler:
+    """Stands in for :class:`StreamSampler` with the same stall rules: conversation ``k``'s
+    turn ``t`` samples ``turns[k][t] = (n, ends)``: ``n`` tokens of 7, then EOS (2) if ``ends``."""
 
-    def __init__(self, lengths, ends):
-        self.lengths, self.ends, self.calls = lengths, ends, []
+    def __init__(self, batch, max_len, turn_cap, turns, chunk=16):
+        self.batch, self.max_len, self.turn_cap, self.turns, self.chunk = batch, max_len, turn_cap, turns, chunk
+        self.small = {"reason": np.full(batch, IDLE)}
+        self.rows = [None] * batch
+        self.loads = []
 
-    def __call__(self, model, rows, max_new, **kw):
-        k = len(self.calls)
-        self.calls.append((len(rows), max_new))
-        S = max(map(len, rows))
-        out = np.full((len(rows), S + max_new), 2, np.int32)
-        for r in range(len(rows)):
-            n = min(self.lengths[k][r] if r < len(self.lengths[k]) else 1, max_new)
-            out[r, S:S + n] = 7
-            if n < max_new and (self.ends[k][r] if r < len(self.ends[k]) else True):
-                out[r, S + n] = 2
-            elif n < max_new:
-                out[r, S + n:] = 7
+    def load(self, row, tokens, key_id=None, *, reset=True):
+        if reset:
+            self.rows[row] = {"key": key_id, "pos": 0, "turn": 0, "made": 0}
+        self.rows[row].update(forced=list(tokens), gen=0)
+        self.loads.append((row, self.rows[row]["key"], len(tokens), reset))
+        self.small["reason"][row] = RUNNING
+
+    def resume(self, row):
+        self.rows[row]["gen"] = 0
+        self.small["reason"][row] = RUNNING
+
+    def idle(self, row):
+        self.small["reason"][row] = IDLE
+
+    def run(self):
+        out = []
+        for row, r in enumerate(self.rows):
+            fed = []
+            while self.small["reason"][row] == RUNNING and len(fed) < self.chunk:
+                n, ends = self.turns[r["key"]][min(r["turn"], len(self.turns[r["key"]]) - 1)]
+                if r["forced"]:
+                    fed.append(r["forced"].pop(0))
+                    r["pos"] += 1
+                else:
+                    tok = 2 if (ends and r["made"] == n) else 7
+                    fed.append(tok)
+                    r["pos"], r["gen"], r["made"] = r["pos"] + 1, r["gen"] + 1, r["made"] + 1
+                    if tok == 2:
+                        r["turn"], r["made"] = r["turn"] + 1, 0
+                        self.small["reason"][row] = ENDED
+                        break
+                    if r["gen"] >= self.turn_cap:
+                        self.small["reason"][row] = TURN_CAP
+                if r["pos"] >= self.max_len:
+                    self.small["reason"][row] = FULL
+            out.append(fed)
         return out
 
 
 def test_turn_logic_continues_cut_answers_and_asks_followups(tiny_chat_model):
     tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_model)
-    model = kvjax.load_hf(tiny_chat_model)
-    cfg = TraceConfig(batch_size=4, min_tokens=300, max_tokens=420, turn_max_new=100, max_turns=3)
-    prompts = [make_prompt(0, i) for i in (0, 1, 3, 4)]       # short prompts (~170-200 tokens)
-    # round 0: row 0 ends after 10 tokens, rows 1-3 are cut at 100 (no EOS)
-    # round 1: row 0 (after a follow-up) ends after 5; rows 1-3 are long enough or continue
-    script = ScriptedGenerate(lengths=[[10, 100, 100, 100], [5, 100, 100, 100], [100] * 4, [100] * 4],
-                              ends=[[True, False, False, False], [True, False, False, False],
-                                    [False] * 4, [False] * 4])
-    convs, n = run_batch(model, tok, prompts, cfg, 0, generate=script)
-    c0 = convs[0]
-    assert c0.turns >= 2 and c0.tokens[c0.prompt_len:c0.prompt_len + 11] == [7] * 10 + [2]
+    cfg = TraceConfig(batch_size=2, min_tokens=300, max_tokens=420, turn_max_new=100, max_turns=2)
+    jobs = [(i, make_prompt(0, i)) for i in (0, 1, 3, 4)]       # short prompts (~170-200 tokens)
+    # conversation 0 ends after 10 tokens, then (after a follow-up of ~106 tokens) after 5;
+    # 1 and 4 never end (cut at turn_max_new, then sampling on while short); 3 ends at once every turn
+    turns = {0: [(10, True), (5, True), (500, False)], 1: [(1000, False)], 3: [(0, True)], 4: [(1000, False)]}
+    sampler = ScriptedSampler(2, cfg.max_tokens, cfg.turn_max_new, turns)
+    done = []
+    n_sampled, n_fed = run_stream(sampler, tok, jobs, cfg, done.append)
+    got = {int(c.prompt.id[-6:]): c for c in done}
+    assert sorted(got) == [0, 1, 3, 4]
+    assert [k for _, k, _, reset in sampler.loads if reset] == [0, 1, 3, 4]   # rows refilled in order
+    c0 = got[0]
+    assert c0.turns == 2 and c0.tokens[c0.prompt_len:c0.prompt_len + 11] == [7] * 10 + [2]
     follow = tok.decode(c0.tokens[c0.prompt_len + 11:c0.prompt_len + 60])
     assert follow.startswith("\n<|im_start|>user\n" + c0.prompt.followups[0][:20])
-    for c in convs:
-        assert cfg.min_tokens <= len(c.tokens) <= cfg.max_tokens or c.turns == cfg.max_turns
-    assert not convs[1].complete and convs[1].turns == 0 and convs[1].new_tokens >= 100
-    assert n == sum(c.new_tokens for c in convs)
-    assert all(b in (1, 4) for b, _ in script.calls)      # the full and the quarter batch shape only
+    c1 = got[1]     # cut at 100 sampled tokens while short: sampling went on until min_tokens
+    assert not c1.complete and c1.turns == 0 and len(c1.tokens) >= cfg.min_tokens
+    assert c1.new_tokens == len(c1.tokens) - c1.prompt_len and len(c1.tokens) - cfg.min_tokens < 100
+    c3 = got[3]     # every answer empty: follow-ups until max_turns, then it stops short
+    assert c3.turns == cfg.max_turns and c3.complete and len(c3.tokens) < cfg.min_tokens
+    assert got[4].new_tokens == 200 and not got[4].complete
+    for c in done:
+        assert len(c.tokens) <= cfg.max_tokens and not c.active
+        assert c.tokens[:c.prompt_len] == kvjax.text.encode_prompts(tok, [c.prompt.messages])[0]
+    assert n_sampled == sum(c.new_tokens for c in done)
+    assert n_fed == sum(len(c.tokens) for c in done)
+
+
+def test_stream_sampler_equals_generate_greedy_in_recycled_rows(tiny_chat_model):
+    """Two rows, three prompts: the third runs in a row whose cache still holds another
+    conversation; every answer equals ``kvjax.generate``'s, token for token."""
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_chat_model)
+    model = kvjax.load_hf(tiny_chat_model)
+    prompts = kvjax.text.encode_prompts(tok, ["Name a river.", "What is two plus two? Explain in detail.", "Hi"])
+    new = 24
+    want = [np.asarray(kvjax.generate(model, [p], new, eos_token_id=(99999 % 49152,)))[0, -new:].tolist()
+            for p in prompts]
+    s = StreamSampler(model, batch=2, max_len=256, eos_ids=(49151,), turn_cap=new, temperature=0.0, chunk=8)
+    got = {}
+    queue = list(enumerate(prompts))
+    live = {}
+    for row in range(2):
+        k, p = queue.pop(0)
+        s.load(row, p, k)
+        live[row] = (k, [])
+    while live:
+        fed = s.run()
+        for row in list(live):
+            k, toks = live[row]
+            toks += fed[row]
+            if s.small["reason"][row] != RUNNING:
+                got[k] = toks
+                del live[row]
+                if queue:
+                    k2, p2 = queue.pop(0)
+                    s.load(row, p2, k2)
+                    live[row] = (k2, [])
+                else:
+                    s.idle(row)
+    for k, p in enumerate(prompts):
+        assert got[k][:len(p)] == p
+        assert got[k][len(p):] == want[k], k
 
 
 def _read(folder):

@@ -74,3 +74,19 @@ def test_errors():
         future_attention_target(q, k, window=2)
     with pytest.raises(ValueError, match="aggregate must be 'max' or 'mean'"):
         future_attention_target(jnp.zeros((1, 8, 2, 4)), k, window=2, aggregate="sum")
+
+
+@pytest.mark.parametrize("fn", ["mean", "peak"])
+def test_right_padded_rows_with_lengths_equal_each_row_alone(fn):
+    """A batch padded on the right with ``lengths_B`` gives each row's unpadded target
+    (padding queries read nothing; ``N_t`` counts the row's own queries)."""
+    rs = np.random.RandomState(3)
+    S, window, lengths = 40, 4, [40, 23]
+    q = jnp.asarray(rs.randn(2, S, 4, 8).astype(np.float32))
+    k = jnp.asarray(rs.randn(2, S, 2, 8).astype(np.float32))
+    f = (lambda *a, **kw: future_attention_target(*a, **kw)) if fn == "mean" else peak_future_attention
+    got = np.asarray(f(q, k, window=window, block=16, lengths_B=jnp.asarray(lengths)))
+    for b, n in enumerate(lengths):
+        alone = np.asarray(f(q[b:b + 1, :n], k[b:b + 1, :n], window=window, block=16))[0]
+        np.testing.assert_allclose(got[b, :, :n], alone, rtol=1e-5, atol=1e-6)
+        assert np.isneginf(got[b, :, n - window:]).all()
