@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo teacher quality real-model traces
+.PHONY: install test test-fast demo teacher quality real-model traces features scorers
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,15 @@ real-model: install
 # The model's own reasoning traces (resumable; README "Real model" gives the time on 2 cores).
 traces: real-model
 	$(PY) -m kvjax.traces --config configs/traces-smollm2.yaml
+
+# Scorer-only KVpop on SmolLM2: the teacher-feature pass over the traces, then MLP and mLSTM
+# scorer fits on the mean target (each resumable; docs/scorer-fit.md gives the times).
+features: traces
+	$(PY) -m kvjax.scorer_fit features --config configs/features-smollm2.yaml
+
+scorers: features
+	$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=mlp --set out_dir=runs/scorers/smollm2-mlp-mean
+	$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=mlstm --set out_dir=runs/scorers/smollm2-mlstm-mean
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

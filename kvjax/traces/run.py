@@ -37,7 +37,7 @@ class TraceConfig:
     out_dir: str = "runs/traces/smollm2"
     num_traces: int = 272                 # prompts 0 .. num_traces-1
     seed: int = 0                         # prompts, sampling and the split
-    batch_size: int = 16                  # conversations sampled together (rows of the continuous batch)
+    batch_size: int = 32                  # conversations sampled together (rows of the continuous batch)
     chunk_steps: int = 16                 # decode steps between two looks of the host at the rows
     min_tokens: int = 512                 # below this a conversation goes on (cut answer or follow-up)
     max_tokens: int = 2048                # every trace is cut here

@@ -1,0 +1,59 @@
+"""Trace fidelity: records equal a direct computation, the run resumes, budgets are exact."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax.evaluation.trace_fidelity import FidelityConfig, _compare, budget, crop_of, markdown, run_fidelity
+from kvjax.eviction.forced import sparse_logits
+from kvjax.eviction.policies import make_policy
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kvjax.ModelConfig("llama", 97, 32, 64, 2, 4, 2, 16, max_position_embeddings=512)
+    return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
+
+
+def test_budget_and_crop():
+    cfg = FidelityConfig(crops=[64, 96], compressions=[0.5, 0.75], sinks=2, window=4)
+    ev = budget(cfg, 96, 0.75)
+    assert ev.sinks + ev.window + ev.topk == 24
+    assert crop_of(95, cfg.crops) == 64 and crop_of(96, cfg.crops) == 96 and crop_of(63, cfg.crops) is None
+    with pytest.raises(ValueError, match="leaves 8 slots, not more than sinks \\+ window = 36"):
+        FidelityConfig(crops=[64], compressions=[0.88], sinks=4, window=32)
+
+
+def test_compare_counts_only_the_assistant_positions():
+    rs = np.random.RandomState(0)
+    a = jnp.asarray(rs.randn(2, 10, 7).astype(np.float32))
+    agree, kl, n = _compare(a, a, jnp.asarray([3, 0]))
+    assert n.tolist() == [6, 9] and agree.tolist() == [6, 9] and np.allclose(kl, 0, atol=1e-6)
+
+
+def test_records_equal_a_direct_computation_and_the_run_resumes(model, tmp_path):
+    rs = np.random.RandomState(1)
+    f = tmp_path / "t.jsonl"
+    lengths = [70, 100, 64, 40]                     # the last is shorter than every crop: skipped
+    f.write_text("".join(json.dumps({"id": f"t{i}", "tokens": rs.randint(0, 97, n).tolist(), "prompt_len": 10})
+                         + "\n" for i, n in enumerate(lengths)))
+    cfg = FidelityConfig(traces=[str(f)], out_dir=str(tmp_path / "out"), policies=["streaming_llm", "knorm"],
+                         compressions=[0.5], crops=[64, 96], sinks=2, window=4, batch_size=2)
+    tab = run_fidelity(cfg, model=model, progress=False)
+    assert tab[0.5]["knorm"]["n"] == 3 and tab[0.5]["streaming_llm"]["n"] == 3
+    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    r = next(r for r in recs if r["id"] == "t1" and r["policy"] == "knorm")
+    assert r["crop"] == 96
+    tokens = jnp.asarray([json.loads(f.read_text().splitlines()[1])["tokens"][:96]], jnp.int32)
+    pol = make_policy("knorm", budget(cfg, 96, 0.5))
+    agree, kl, n = _compare(kvjax.forward(model, tokens), sparse_logits(model, tokens, pol), jnp.asarray([10]))
+    assert r["top1"] == [int(agree[0]), int(n[0])] and r["kl"] == pytest.approx(float(kl[0]), rel=1e-5)
+    assert 0 < r["top1"][0] < r["top1"][1] == 85
+    before = (tmp_path / "out" / "problems.jsonl").read_bytes()
+    again = run_fidelity(cfg, model=model, progress=False)           # everything stored: nothing recomputed
+    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
+    assert "| knorm (N=3) |" in markdown(tab)
