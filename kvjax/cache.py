@@ -28,15 +28,17 @@ class DenseCache:
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
 
-def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache):
-    """Attention backend: write the new keys/values at their positions, attend causally."""
+def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache, *,
+                          span: int | None = None):
+    """Attention backend: write the new keys/values at their positions, attend causally;
+    with ``span``, over slots ``[0, span)`` only (the caller knows no query reaches past it)."""
     B = q_BSHD.shape[0]
     rows = jnp.arange(B)[:, None]
     k_all = cache.k[layer].at[rows, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))
     v_all = cache.v[layer].at[rows, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
-    T = k_all.shape[1]
+    T = k_all.shape[1] if span is None else span
     k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    out, _ = dense_attention(q_BSHD, k_all.astype(q_BSHD.dtype), v_all.astype(q_BSHD.dtype),
+    out, _ = dense_attention(q_BSHD, k_all[:, :T].astype(q_BSHD.dtype), v_all[:, :T].astype(q_BSHD.dtype),
                              positions_BS, k_pos)
     ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
     vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]

@@ -94,16 +94,17 @@ def _compare(dense_BSV, other_BSV, starts_B):
             np.asarray(jnp.sum(m, 1)))
 
 
-def _policy(name, ev, learned, model, tokens):
+ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
+
+
+def _policy(name, ev, learned, oracle):
+    """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the budget)."""
     from kvjax.evaluation.budgets import rebudget
-    from kvjax.evaluation.oracle import oracle_priorities
     from kvjax.eviction.policies import make_policy
 
     if name in learned:
         return rebudget(learned[name], ev)
-    kinds = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
-    params = oracle_priorities(model, tokens, ev.window, kinds[name]) if name in kinds else None
-    return make_policy(name, ev, params=params)
+    return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
 
 
 def _digest(folder: str) -> str:
@@ -118,6 +119,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
     from tqdm import tqdm
 
     import kvjax
+    from kvjax.evaluation.oracle import oracle_priorities
     from kvjax.evaluation.results_store import ResultsStore, record_key
     from kvjax.eviction.forced import sparse_logits, stepwise_logits
     from kvjax.export import config_hash
@@ -145,7 +147,13 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
         for crop, idx in work:
             tokens = np.asarray([rows[i]["tokens"][:crop] for i in idx], np.int32)
             starts = jnp.asarray([min(int(rows[i].get("prompt_len", 0)), crop - 1) for i in idx])
-            dense = None
+            dense, oracles = None, {}
+
+            def oracle(kind):
+                if kind not in oracles:
+                    oracles[kind] = oracle_priorities(model, tokens, cfg.window, kind)
+                return oracles[kind]
+
             for comp in cfg.compressions:
                 ev = budget(cfg, crop, comp)
                 for name in names:
@@ -155,7 +163,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
                         continue
                     if dense is None:
                         dense = kvjax.forward(model, tokens)
-                    pol = _policy(name, ev, learned, model, tokens)
+                    pol = _policy(name, ev, learned, oracle)
                     t0 = time.time()
                     logits = sparse_logits(model, tokens, pol) if pol.static else stepwise_logits(model, tokens, pol)
                     agree, kl, n = _compare(dense, logits, starts)

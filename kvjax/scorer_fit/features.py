@@ -39,6 +39,7 @@ from kvjax.evaluation.oracle import _percentile
 from kvjax.models.attention import dense_attention
 from kvjax.sampling import bucket
 from kvjax.targets import future_attention_target, peak_future_attention
+from kvjax.train.checkpoint import write_json_atomic
 
 TARGETS = ("mean", "peak", "union")
 
@@ -93,12 +94,6 @@ def _fingerprint(model, traces_file: Path, window: int) -> dict:
             "window": window}
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
 def build_split(model, traces_file: Path, out: Path, window: int, max_traces: int = 0, progress: bool = True) -> dict:
     """Write (or finish) one split's features under ``out``; returns its index."""
     from tqdm import tqdm
@@ -129,7 +124,7 @@ def build_split(model, traces_file: Path, out: Path, window: int, max_traces: in
     mode = "r+" if done else "w+"
     x_mm = np.memmap(out / "x.u16", np.uint16, mode, shape=(T, L, K, X))
     t_mm = np.memmap(out / "targets.f32", np.float32, mode, shape=(T, len(TARGETS), L, K))
-    _write_json_atomic(idx_file, index)
+    write_json_atomic(idx_file, index)
     graphdef, params = nnx.split(model)
     bar = tqdm(total=len(rows), initial=done, desc=f"features {out.name}", unit="trace", disable=not progress)
     for i in range(done, len(rows)):
@@ -143,7 +138,7 @@ def build_split(model, traces_file: Path, out: Path, window: int, max_traces: in
         if i % 8 == 7 or i == len(rows) - 1:
             x_mm.flush()
             t_mm.flush()
-            _write_json_atomic(prog_file, {"done": i + 1})
+            write_json_atomic(prog_file, {"done": i + 1})
         bar.update(1)
     bar.close()
     del x_mm, t_mm

@@ -24,29 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import DenseCache
-from kvjax.models.attention import dense_attention
+from kvjax.cache import DenseCache, dense_cache_attention
 from kvjax.sampling import bucket, sample_logits
 
 # why a row stalled (host-visible ``reason``)
 RUNNING, ENDED, FULL, TURN_CAP, IDLE = 0, 1, 2, 3, 4
-
-
-def _window_attention(span: int):
-    """Dense-cache attention over slots ``[0, span)`` only: every running row's position is
-    below ``span`` for the whole chunk, so the slots past it cannot be visible."""
-
-    def backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache):
-        rows = jnp.arange(q_BSHD.shape[0])[:, None]
-        k_all = cache.k[layer].at[rows, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))
-        v_all = cache.v[layer].at[rows, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
-        k_pos = jnp.broadcast_to(jnp.arange(span), (q_BSHD.shape[0], span))
-        out, _ = dense_attention(q_BSHD, k_all[:, :span].astype(q_BSHD.dtype),
-                                 v_all[:, :span].astype(q_BSHD.dtype), positions_BS, k_pos)
-        return out, cache.replace(k=cache.k[:layer] + (k_all,) + cache.k[layer + 1:],
-                                  v=cache.v[:layer] + (v_all,) + cache.v[layer + 1:])
-
-    return backend
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("steps", "eos_ids", "span"),
@@ -56,7 +38,7 @@ def _advance(graphdef, params, cache, small, seed_key, temperature, top_k, top_p
     """Run ``steps`` steps attending over slots ``[0, span)``; returns ``(cache, small, fed
     int32 [B, steps])`` (``-1`` = stalled)."""
     model = nnx.merge(graphdef, params)
-    attend = _window_attention(span)
+    attend = functools.partial(dense_cache_attention, span=span)   # no running row reaches past span
     B, F = small["force"].shape
     T = cache.k[0].shape[1]
     eos = jnp.asarray(eos_ids, jnp.int32)
