@@ -228,6 +228,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.2-3b": ModelConfig("llama", 128256, 3072, 8192, 28, 24, 8, 128, 5e5, _LLAMA32_SCALING, 1e-5,
                                 True, max_position_embeddings=131072, bos_token_id=128000,
                                 eos_token_id=128001),
+    # SmolLM2-135M-Instruct, the real model kvjax.real_model converts offline (make real-model);
+    # its GGUF stores rms_norm_eps as float32(1e-5)
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e5, None, 9.999999747378752e-06, True,
+                                max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ class ModelSection:
     without the weights, and loading checks that the folder matches the preset.
     """
 
-    hf_path: str | None = None               # Hugging Face folder with the starting weights
+    hf_path: str | None = None               # Hugging Face folder with the starting weights (~ and $VARS expand)
     preset: str | None = None                # model shapes by name (kvjax.preset: qwen3-0.6b ... llama-3.1-8b)
     config: dict[str, Any] | None = None      # config.json-style fields (model_type, hidden_size, ...)
     param_dtype: str = "float32"             # parameter dtype (float32 | bfloat16)
@@ -31,6 +32,8 @@ class ModelSection:
         if given not in (["hf_path"], ["preset"], ["config"], ["hf_path", "preset"]):
             raise ValueError(f"set one of model.hf_path (optionally with model.preset), model.preset, model.config "
                              f"(got {given or 'none'})")
+        if self.hf_path is not None:
+            object.__setattr__(self, "hf_path", os.path.expanduser(os.path.expandvars(self.hf_path)))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,19 @@ def test_folder_is_intact_and_a_second_call_is_a_noop(real):
     assert json.loads((folder / "config.json").read_text()).get("quantization_config") is None
 
 
+def test_the_smollm2_preset_has_the_converted_folders_shapes(real):
+    """Recipes name the real model by ``model.preset: smollm2-135m`` for dry runs without weights;
+    loading refuses a folder whose shapes differ, so the preset must equal the converted config."""
+    from kvjax.config import preset
+    from kvjax.convert.hf_io import read_config
+    from kvjax.train.config import ModelSection
+    from kvjax.train.model_init import model_config
+
+    cfg = read_config(real[0])
+    assert cfg == preset("smollm2-135m").replace(pad_token_id=cfg.pad_token_id)
+    assert model_config(ModelSection(hf_path=str(real[0]), preset="smollm2-135m")) == cfg
+
+
 def test_logits_match_transformers_on_real_text(real):
     folder, model, ref, tok = real
     x = real_text_rows(tok)
