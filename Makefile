@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo teacher quality real-model traces features scorers
+.PHONY: install test test-fast demo teacher quality real-model traces features scorers fidelity retention
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,18 +21,35 @@ test: install
 real-model: install
 	$(PY) -m kvjax.real_model
 
-# The model's own reasoning traces (resumable; README "Real model" gives the time on 2 cores).
+# The model's own reasoning traces, shipped in assets/smollm2-traces (1.6 MB): a no-op while they
+# are complete; delete the folder to sample them again (resumable; README "Real model" gives the time).
 traces: real-model
 	$(PY) -m kvjax.traces --config configs/traces-smollm2.yaml
 
-# Scorer-only KVpop on SmolLM2: the teacher-feature pass over the traces, then MLP and mLSTM
-# scorer fits on the mean target (each resumable; docs/scorer-fit.md gives the times).
+# Scorer-only KVpop on SmolLM2: the teacher-feature pass over the traces (runs/features, ~5 GB),
+# then MLP and mLSTM scorer fits on the mean target, exported to assets/smollm2-scorers (each
+# step resumable; docs/scorer-fit.md gives the times).
 features: traces
 	$(PY) -m kvjax.scorer_fit features --config configs/features-smollm2.yaml
 
+SCORER_FITS = mlp-mean mlstm-mean
 scorers: features
-	$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=mlp --set out_dir=runs/scorers/smollm2-mlp-mean
-	$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=mlstm --set out_dir=runs/scorers/smollm2-mlstm-mean
+	for fit in $(SCORER_FITS); do \
+		$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=$${fit%-*} \
+			--set target=$${fit#*-} --set out_dir=runs/scorers/smollm2-$$fit || exit 1; \
+		rm -rf assets/smollm2-scorers/kvpop-$$fit.tmp && mkdir -p assets/smollm2-scorers && \
+		cp -r runs/scorers/smollm2-$$fit/export assets/smollm2-scorers/kvpop-$$fit.tmp && \
+		rm -rf assets/smollm2-scorers/kvpop-$$fit && \
+		mv assets/smollm2-scorers/kvpop-$$fit.tmp assets/smollm2-scorers/kvpop-$$fit; \
+	done
+
+# Trace fidelity (teacher-forced top-1 agreement and KL vs dense, bounded throughout) and the
+# seed's Figures 6/7 (retention vs the oracle) of every policy on the held-out traces.
+fidelity: traces
+	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2.yaml
+
+retention: traces
+	$(PY) -m kvjax.evaluation.trace_retention --config configs/retention-smollm2.yaml
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

@@ -12,9 +12,17 @@ from kvjax.lkv import soft_topk
 from kvjax.models.decoder import Decoder
 from kvjax.targets import future_attention_target
 from kvjax.text import TextGenerator, generate_text
-from kvjax import real_model
 
 Model = Decoder
+
+
+def __getattr__(name):
+    # kvjax.real_model on first use, so `python -m kvjax.real_model` runs it once, not imported twice
+    if name == "real_model":
+        import importlib
+
+        return importlib.import_module("kvjax.real_model")
+    raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
            "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",

@@ -35,8 +35,8 @@ HEURISTICS = ("streaming_llm", "knorm", "random", "snapkv", "h2o", "tova")
 
 @dataclass(frozen=True)
 class FidelityConfig:
-    traces: list[str] = field(default_factory=lambda: ["runs/traces/smollm2/valid.jsonl",
-                                                        "runs/traces/smollm2/test.jsonl"])
+    traces: list[str] = field(default_factory=lambda: ["assets/smollm2-traces/valid.jsonl",
+                                                        "assets/smollm2-traces/test.jsonl"])
     model_dir: str | None = None           # HF folder; default: SmolLM2 via kvjax.real_model
     out_dir: str = "runs/fidelity/smollm2"
     policies: list[str] = field(default_factory=lambda: ["streaming_llm", "knorm", "snapkv", "h2o", "tova",

@@ -46,7 +46,7 @@ TARGETS = ("mean", "peak", "union")
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    traces_dir: str = "runs/traces/smollm2"   # output of python -m kvjax.traces
+    traces_dir: str = "assets/smollm2-traces"   # output of python -m kvjax.traces
     model_dir: str | None = None              # HF folder; default: SmolLM2 via kvjax.real_model
     out_dir: str = "runs/features/smollm2"
     window: int = 32                          # the protected window w of the target (d >= t + w)

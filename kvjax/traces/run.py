@@ -34,7 +34,7 @@ SAMPLER = "stream-v1"      # how tokens are drawn; traces of another sampler are
 @dataclass(frozen=True)
 class TraceConfig:
     model_dir: str | None = None          # HF folder; default: SmolLM2 via kvjax.real_model (fetched once)
-    out_dir: str = "runs/traces/smollm2"
+    out_dir: str = "assets/smollm2-traces"
     num_traces: int = 272                 # prompts 0 .. num_traces-1
     seed: int = 0                         # prompts, sampling and the split
     batch_size: int = 32                  # conversations sampled together (rows of the continuous batch)
