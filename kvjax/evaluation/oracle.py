@@ -35,18 +35,18 @@ def _percentile(x_BKS):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _oracle(graphdef, params, tokens_BS, window: int, kind: str):
+def _oracle(graphdef, params, tokens_BS, window: int, kind: str, lengths_B=None):
     model = nnx.merge(graphdef, params)
 
     def capture(layer, q, k, v, positions, targets):
         out, lse = dense_attention(q, k, v, positions, positions)
         if kind == "peak":
-            tgt = peak_future_attention(q, k, window=window, lse=lse)
+            tgt = peak_future_attention(q, k, window=window, lse=lse, lengths_B=lengths_B)
         elif kind == "mean":
-            tgt = future_attention_target(q, k, window=window, lse=lse)
+            tgt = future_attention_target(q, k, window=window, lse=lse, lengths_B=lengths_B)
         else:
-            peak = peak_future_attention(q, k, window=window, lse=lse)
-            mean = future_attention_target(q, k, window=window, lse=lse)
+            peak = peak_future_attention(q, k, window=window, lse=lse, lengths_B=lengths_B)
+            mean = future_attention_target(q, k, window=window, lse=lse, lengths_B=lengths_B)
             tgt = jnp.where(jnp.isfinite(mean), jnp.maximum(_percentile(peak), _percentile(mean)), -jnp.inf)
         # tokens with no future query rank by recency (they sit in the window anyway)
         t = jnp.arange(q.shape[1], dtype=jnp.float32)
@@ -57,9 +57,11 @@ def _oracle(graphdef, params, tokens_BS, window: int, kind: str):
     return jnp.stack(targets)
 
 
-def oracle_priorities(model, tokens_BS, window: int, kind: str = "mean"):
-    """``float32 [L, B, K, S]``: the dense teacher's log future attention (``kind`` above)."""
+def oracle_priorities(model, tokens_BS, window: int, kind: str = "mean", lengths_B=None):
+    """``float32 [L, B, K, S]``: the dense teacher's log future attention (``kind`` above).
+    ``lengths_B``: rows padded on the right count only their first ``lengths_B[b]`` queries."""
     if kind not in KINDS:
         raise ValueError(f"oracle kind must be one of {KINDS}, got {kind!r}")
     graphdef, params = nnx.split(model)
-    return _oracle(graphdef, params, jnp.asarray(tokens_BS, jnp.int32), int(window), kind)
+    lengths = None if lengths_B is None else jnp.asarray(lengths_B, jnp.int32)
+    return _oracle(graphdef, params, jnp.asarray(tokens_BS, jnp.int32), int(window), kind, lengths)

@@ -1,0 +1,252 @@
+"""Long-context quality of every policy on RULER-style problems, bounded throughout.
+
+For each (length, task), problems are generated (:mod:`kvjax.longctx.tasks`), batched, and
+answered greedily (``max_new`` tokens) by the dense model and by every policy at every
+compression; an answer is scored by RULER's string match. Setting: *bounded throughout*
+(KVpop's): the per-head budget ``sinks + window + topk = round((1 - c) * length)`` holds
+during prefill and decode, every prompt query sees only its kept set. The hindsight oracles
+rank by the dense model's future attention over its own prompt + answer.
+
+Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
+(resumable, scorer digests fingerprinted); :func:`table` averages them with standard errors.
+``python -m kvjax.longctx --config configs/longctx-smollm2-quick.yaml``
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvjax.longctx.tasks import TASKS
+
+ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
+
+
+@dataclass(frozen=True)
+class LongCtxConfig:
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    problems: int = 64                      # per task and length
+    problems_at: dict[int, int] = field(default_factory=dict)   # per-length override, e.g. {4096: 32}
+    compressions: list[float] = field(default_factory=lambda: [0.5, 0.75, 0.88, 0.94])
+    policies: list[str] = field(default_factory=lambda: ["dense", "streaming_llm", "random", "knorm", "snapkv",
+                                                         "h2o", "tova", "oracle"])
+    learned: dict[str, str] = field(default_factory=dict)   # label -> exported scorer folder
+    sinks: int = 4
+    window: int = 32
+    question_aware: bool = False            # also state the question before the context
+    max_new: int = 32
+    batch_size: int = 8
+    seed: int = 0
+    model_dir: str | None = None            # HF folder; default: SmolLM2 via kvjax.real_model
+    out_dir: str = "runs/longctx/smollm2"
+
+    def __post_init__(self):
+        object.__setattr__(self, "problems_at", {int(k): int(v) for k, v in self.problems_at.items()})
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad:
+            raise ValueError(f"tasks: unknown task {bad[0]!r}; known: {', '.join(TASKS)}")
+        for c in self.compressions:
+            if not 0.0 < c < 1.0:
+                raise ValueError(f"compressions: {c} is not in (0, 1)")
+            for n in self.lengths:
+                if round((1 - c) * n) <= self.sinks + self.window:
+                    raise ValueError(f"compression {c} of {n} tokens leaves {round((1 - c) * n)} slots, "
+                                     f"not more than sinks + window = {self.sinks + self.window}")
+        if min(self.problems, self.batch_size, self.max_new) < 1:
+            raise ValueError("problems, batch_size and max_new must be >= 1")
+
+
+def budget(cfg: LongCtxConfig, length: int, compression: float):
+    from kvjax.eviction.config import EvictionConfig
+
+    total = int(round((1.0 - compression) * length))
+    return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
+
+
+def _digest(folder: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _answers(new_BN: np.ndarray, stops) -> list[list[int]]:
+    """Each row's new tokens up to (not including) its first stop token."""
+    out = []
+    for row in new_BN:
+        hit = np.flatnonzero(np.isin(row, stops))
+        out.append(row[: hit[0]].tolist() if hit.size else row.tolist())
+    return out
+
+
+def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Answer every (length, task, problem, compression, policy) not yet stored; returns :func:`table`."""
+    import transformers
+    from tqdm import tqdm
+
+    import kvjax
+    from kvjax.evaluation.budgets import rebudget
+    from kvjax.evaluation.oracle import oracle_priorities
+    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.eviction.policies import make_policy
+    from kvjax.export import config_hash
+    from kvjax.longctx.tasks import Generator, prompt_ids, score
+    from kvjax.real_model import ensure_model
+    from kvjax.text import stop_token_ids
+
+    folder = Path(cfg.model_dir) if cfg.model_dir else None
+    if model is None or tokenizer is None:
+        folder = folder or ensure_model()
+    model = model or kvjax.load_hf(folder)
+    tok = tokenizer or transformers.AutoTokenizer.from_pretrained(folder)
+    stops = np.asarray(stop_token_ids(model, tok), np.int32)
+    learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
+    names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
+    gen = Generator(tok)
+    run = {"model": config_hash(model.config), "metric": "longctx-v1", "setting": "bounded",
+           "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "question_aware": cfg.question_aware,
+           "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
+    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": _digest(d)} for lbl, d in cfg.learned.items()})
+    try:
+        work = []
+        for length in cfg.lengths:
+            n = cfg.problems_at.get(length, cfg.problems)
+            for task in cfg.tasks:
+                for j in range(0, n, cfg.batch_size):
+                    work.append((length, task, list(range(j, min(j + cfg.batch_size, n)))))
+        per_batch = 1 + (len(names) - 1) * len(cfg.compressions)
+        bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
+        for length, task, idx in work:
+            probs = [gen.problem(task, length, i, cfg.seed) for i in idx]
+            ids = [sum(prompt_ids(tok, p, question_aware=cfg.question_aware), []) for p in probs]
+            S = max(map(len, ids))
+            tokens = np.full((len(ids), S), int(stops[0]), np.int32)
+            mask = np.zeros_like(tokens)
+            for b, r in enumerate(ids):
+                tokens[b, : len(r)], mask[b, : len(r)] = r, 1
+            dense_new, oracles = None, {}
+
+            def answer(policy, name, comp):
+                nonlocal dense_new
+                keys = [record_key(length, comp, name, f"{task}/{p.index}") for p in probs]
+                bar.update(1)
+                if store.has(keys):
+                    return
+                t0 = time.time()
+                out = np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
+                                                eos_token_id=stops.tolist()))[:, S:]
+                sec = (time.time() - t0) / len(probs)
+                if name == "dense":
+                    dense_new = out
+                store.add([{"key": k, "task": task, "index": p.index, "length": length, "tokens": len(r),
+                            "depth": p.depth, "compression": comp, "policy": name,
+                            "score": score(p, tok.decode(a, skip_special_tokens=True)),
+                            "answer": tok.decode(a, skip_special_tokens=True)[:160], "seconds": round(sec, 2)}
+                           for k, p, r, a in zip(keys, probs, ids, _answers(out, stops))])
+
+            def oracle(kind):
+                nonlocal dense_new
+                if kind not in oracles:
+                    if dense_new is None:      # resumed: the dense answers again (greedy, the same tokens)
+                        dense_new = np.asarray(kvjax.generate(model, tokens, cfg.max_new, attention_mask=mask,
+                                                              eos_token_id=stops.tolist()))[:, S:]
+                    full = [r + a for r, a in zip(ids, _answers(dense_new, stops))]
+                    T = S + cfg.max_new
+                    seq = np.full((len(full), T), int(stops[0]), np.int32)
+                    for b, r in enumerate(full):
+                        seq[b, : len(r)] = r
+                    oracles[kind] = oracle_priorities(model, seq, cfg.window, kind,
+                                                      lengths_B=np.asarray([len(r) for r in full], np.int32))
+                return oracles[kind]
+
+            answer(None, "dense", 0.0)
+            for comp in cfg.compressions:
+                ev = budget(cfg, length, comp)
+                for name in names[1:]:
+                    if name in learned:
+                        pol = rebudget(learned[name], ev)
+                    elif name in ORACLES:
+                        keys = [record_key(length, comp, name, f"{task}/{p.index}") for p in probs]
+                        if store.has(keys):
+                            bar.update(1)
+                            continue
+                        pol = make_policy(name, ev, params=oracle(ORACLES[name]))
+                    else:
+                        pol = make_policy(name, ev)
+                    answer(pol, name, comp)
+        bar.close()
+        return table(list(store.records.values()), names, cfg)
+    finally:
+        store.close()
+
+
+def _mean_se(x) -> tuple[float, float]:
+    x = np.asarray(x, float)
+    return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan"))
+
+
+def table(records: list[dict], names, cfg: LongCtxConfig, solvable: float = 0.5) -> dict:
+    """``{"cells": {(length, comp, policy, task): (mean, se, n)}, "average": {(length, comp, policy): (mean,
+    se, tasks)}, "solvable": {length: [tasks]}}``. The task average covers the tasks the dense
+    model solves (score >= ``solvable``) at that length; its SE combines the tasks' SEs."""
+    cells: dict = {}
+    groups: dict = {}
+    for r in records:
+        comp = 0.0 if r["policy"] == "dense" else r["compression"]
+        groups.setdefault((r["length"], comp, r["policy"], r["task"]), []).append(r["score"])
+    for key, v in groups.items():
+        m, se = _mean_se(v)
+        cells[key] = (m, se, len(v))
+    solv = {L: [t for t in cfg.tasks if cells.get((L, 0.0, "dense", t), (0.0,))[0] >= solvable] for L in cfg.lengths}
+    avg = {}
+    for L in cfg.lengths:
+        for comp in [0.0, *cfg.compressions]:
+            for p in names:
+                got = [cells[(L, comp, p, t)] for t in solv[L] if (L, comp, p, t) in cells]
+                if got and len(got) == len(solv[L]):
+                    se = math.sqrt(sum((c[1] if np.isfinite(c[1]) else 0.0) ** 2 for c in got)) / len(got)
+                    avg[(L, comp, p)] = (float(np.mean([c[0] for c in got])), se, len(got))
+    return {"cells": cells, "average": avg, "solvable": solv}
+
+
+def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
+    """Per length: rows = policies, columns = the task average at each compression (and per task at 75%/88%)."""
+    out = []
+    for L in cfg.lengths:
+        solv = tab["solvable"][L]
+        out.append(f"\n**{L} tokens, bounded throughout** — task average over the tasks dense solves "
+                   f"({', '.join(solv) or 'none'}); mean ± SE, N problems per task in brackets\n")
+        comps = list(cfg.compressions)
+        out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
+        out.append("|---|" + "---|" * len(comps))
+        for p in names:
+            cells = []
+            for c in ([0.0] * len(comps) if p == "dense" else comps):
+                a = tab["average"].get((L, c, p))
+                cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+            n = max((v[2] for (LL, _c, pp, _t), v in tab["cells"].items() if LL == L and pp == p), default=0)
+            out.append(f"| {p} [{n}] | " + " | ".join(cells) + " |")
+        tasks = sorted({t for (LL, _c, _p, t) in tab["cells"] if LL == L}, key=list(TASKS).index)
+        for c in [c for c in comps if c in (0.75, 0.88)] or comps[:1]:
+            out.append(f"\nper task at {c:.0%} ({L} tokens; dense in the first row)\n")
+            out.append("| policy | " + " | ".join(tasks) + " |")
+            out.append("|---|" + "---|" * len(tasks))
+            for p in names:
+                cc = 0.0 if p == "dense" else c
+                row = [tab["cells"].get((L, cc, p, t)) for t in tasks]
+                out.append(f"| {p} | " + " | ".join(f"{v[0]:.0%}" if v else "" for v in row) + " |")
+    return "\n".join(out)
+
+
+def to_json(tab: dict) -> dict:
+    """:func:`table` with string keys ``length|compression|policy[|task]``."""
+    key = lambda k: "|".join(f"{x:g}" if isinstance(x, float) else str(x) for x in k)   # noqa: E731
+    return {"cells": {key(k): list(v) for k, v in tab["cells"].items()},
+            "average": {key(k): list(v) for k, v in tab["average"].items()},
+            "solvable": {str(k): v for k, v in tab["solvable"].items()}}

@@ -1,0 +1,88 @@
+"""The long-context runner: records equal a direct generate + score, the run resumes, oracles
+work on ragged rows, the table's averages and standard errors are right, bad configs are named."""
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+
+import kvjax
+from kvjax.evaluation.oracle import oracle_priorities
+from kvjax.longctx.run import LongCtxConfig, budget, markdown, run_longctx, table, to_json
+from kvjax.longctx.tasks import Generator, prompt_ids, score
+from kvjax.real_model import ensure_model
+from kvjax.text import stop_token_ids
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.AutoTokenizer.from_pretrained(ensure_model())
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = kvjax.ModelConfig("llama", 49152, 32, 64, 2, 4, 2, 16, max_position_embeddings=1024, eos_token_id=2)
+    return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
+
+
+@pytest.mark.integration
+def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
+    cfg = LongCtxConfig(tasks=["niah_noise", "qa"], lengths=[256], problems=3, compressions=[0.5],
+                        policies=["streaming_llm", "oracle"], sinks=2, window=8, max_new=6, batch_size=2,
+                        out_dir=str(tmp_path / "out"))
+    tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
+    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 * 3 * 3                        # tasks x problems x (dense, streaming, oracle)
+    # problem qa/2 sat alone in its batch: rerun it directly
+    p = Generator(tok).problem("qa", 256, 2)
+    ids = sum(prompt_ids(tok, p), [])
+    stops = list(stop_token_ids(model, tok))
+    out = np.asarray(kvjax.generate(model, [ids], 6, policy=kvjax.make_policy("streaming_llm", budget(cfg, 256, 0.5)),
+                                    eos_token_id=stops))[0, len(ids):]
+    cut = [t for t in out.tolist()]
+    cut = cut[: next((i for i, t in enumerate(cut) if t in stops), len(cut))]
+    r = next(r for r in recs if r["task"] == "qa" and r["index"] == 2 and r["policy"] == "streaming_llm")
+    assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
+    assert r["score"] == score(p, tok.decode(cut, skip_special_tokens=True)) and r["tokens"] == len(ids)
+    assert {r["policy"] for r in recs} == {"dense", "streaming_llm", "oracle"}
+    before = (tmp_path / "out" / "problems.jsonl").read_bytes()
+    again = run_longctx(cfg, model=model, tokenizer=tok, progress=False)     # all stored: nothing recomputed
+    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
+    assert "| streaming_llm [3] |" in markdown(tab, cfg, ["dense", "streaming_llm", "oracle"])
+    json.dumps(to_json(tab))
+
+
+def test_oracle_priorities_of_a_padded_row_equal_the_unpadded_row(model):
+    rs = np.random.RandomState(0)
+    a = rs.randint(0, 49152, (1, 40)).astype(np.int32)
+    padded = np.concatenate([a, np.full((1, 24), 2, np.int32)], 1)
+    both = np.concatenate([padded, rs.randint(0, 49152, (1, 64)).astype(np.int32)], 0)
+    want = np.asarray(oracle_priorities(model, a, 8))                              # [L, 1, K, 40]
+    got = np.asarray(oracle_priorities(model, both, 8, lengths_B=np.asarray([40, 64])))[:, :1, :, :40]
+    fin = np.isfinite(want) & (want > -1e5)
+    np.testing.assert_allclose(got[fin], want[fin], atol=2e-4)
+    np.testing.assert_array_equal(fin, np.isfinite(got) & (got > -1e5))
+
+
+def test_table_averages_solvable_tasks_with_combined_se():
+    cfg = LongCtxConfig(tasks=["niah_noise", "vt"], lengths=[1024], compressions=[0.75], policies=["dense", "knorm"])
+    recs = []
+    for i, (d, k, v) in enumerate([(1, 1, 0), (1, 0, 0), (1, 1, 0), (1, 1, 0)]):
+        recs += [{"length": 1024, "compression": 0.0, "policy": "dense", "task": "niah_noise", "score": d},
+                 {"length": 1024, "compression": 0.75, "policy": "knorm", "task": "niah_noise", "score": k},
+                 {"length": 1024, "compression": 0.0, "policy": "dense", "task": "vt", "score": v},
+                 {"length": 1024, "compression": 0.75, "policy": "knorm", "task": "vt", "score": v}]
+    tab = table(recs, ["dense", "knorm"], cfg)
+    assert tab["solvable"] == {1024: ["niah_noise"]}              # dense never solves vt: not averaged
+    m, se, n = tab["average"][(1024, 0.75, "knorm")]
+    assert (m, n) == (0.75, 1) and se == pytest.approx(np.std([1, 0, 1, 1], ddof=1) / 2)
+    assert tab["cells"][(1024, 0.75, "knorm", "vt")][:2] == (0.0, 0.0)
+
+
+def test_bad_configs_are_named():
+    with pytest.raises(ValueError, match="unknown task 'ruler'"):
+        LongCtxConfig(tasks=["ruler"])
+    with pytest.raises(ValueError, match="compression 0.97 of 1024 tokens leaves 31 slots"):
+        LongCtxConfig(lengths=[1024], compressions=[0.97])
