@@ -21,6 +21,16 @@ from pathlib import Path
 from kvjax.dir_lock import DirLock
 
 
+def folder_digest(folder) -> str:
+    """A short digest of every file in ``folder`` (names and bytes): a scorer's fingerprint."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(Path(folder).iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def record_key(factor: int, compression: float, policy: str, index: int) -> str:
     return f"{factor}|{compression:g}|{policy}|{index}"
 

@@ -107,12 +107,6 @@ def _policy(name, ev, learned, oracle):
     return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
 
 
-def _digest(folder: str) -> str:
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).iterdir()):
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()[:16]
-
 
 def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> dict:
     """Evaluate every (crop, compression, policy, trace) not yet stored; returns :func:`table`."""
@@ -120,7 +114,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.forced import sparse_logits, stepwise_logits
     from kvjax.export import config_hash
     from kvjax.real_model import ensure_model
@@ -133,7 +127,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
     run = {"model": config_hash(model.config), "traces": [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
                                                           for p in cfg.traces],
            "sinks": cfg.sinks, "window": cfg.window, "crops": sorted(cfg.crops), "metric": "fidelity-v1"}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": _digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
     try:
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):

@@ -58,12 +58,6 @@ def budget(cfg: RetentionConfig):
     return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
 
 
-def _digest(folder: str) -> str:
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).iterdir()):
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()[:16]
-
 
 def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) -> tuple[dict, list[dict]]:
     """Record every (policy, trace) not yet stored; returns (:func:`summarize` of them, the records)."""
@@ -72,7 +66,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
     import kvjax
     from kvjax.evaluation.budgets import rebudget
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.evaluation.retention import kept_positions, retention_recall
     from kvjax.evaluation.trace_fidelity import load_traces
     from kvjax.eviction.policies import make_policy
@@ -92,7 +86,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
     run = {"model": config_hash(model.config), "metric": "retention-v1", "crop": cfg.crop,
            "sinks": cfg.sinks, "window": cfg.window,
            "traces": [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16] for p in cfg.traces]}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": _digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
     try:
         batches = [list(range(j, min(j + cfg.batch_size, len(rows)))) for j in range(0, len(rows), cfg.batch_size)]
         bar = tqdm(total=len(batches) * len(names), desc="retention", unit="batch", disable=not progress)

@@ -69,12 +69,6 @@ def budget(cfg: LongCtxConfig, length: int, compression: float):
     return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
 
 
-def _digest(folder: str) -> str:
-    h = hashlib.sha256()
-    for f in sorted(Path(folder).iterdir()):
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()[:16]
-
 
 def _answers(new_BN: np.ndarray, stops) -> list[list[int]]:
     """Each row's new tokens up to (not including) its first stop token."""
@@ -93,7 +87,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     import kvjax
     from kvjax.evaluation.budgets import rebudget
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.policies import make_policy
     from kvjax.export import config_hash
     from kvjax.longctx.tasks import Generator, prompt_ids, score
@@ -112,7 +106,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     run = {"model": config_hash(model.config), "metric": "longctx-v1", "setting": "bounded",
            "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": _digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
     try:
         work = []
         for length in cfg.lengths:
