@@ -166,8 +166,13 @@ def run_bench(cfg) -> dict:
     from kvjax.evaluation import decode_bench as db
 
     out = Path(cfg.out_dir)
-    model_dir = db.make_bench_model(out / ("bench-model" if cfg.bench_preset is None else
-                                           f"bench-model-{cfg.bench_preset}"), cfg.bench_preset)
+    if cfg.bench_model is not None:
+        model_dir = Path(cfg.bench_model)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"bench_model: {model_dir} is not a Hugging Face folder (no config.json)")
+    else:
+        model_dir = db.make_bench_model(out / ("bench-model" if cfg.bench_preset is None else
+                                               f"bench-model-{cfg.bench_preset}"), cfg.bench_preset)
     bandwidth = db.copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     impls = ["kvjax-dense", "kvjax-kvpop"] + (["transformers-dense"] if cfg.bench_transformers else [])
@@ -193,7 +198,11 @@ def main(argv=None) -> int:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    result = run_quality(cfg) if cfg.mode == "quality" else run_bench(cfg)
+    try:
+        result = run_quality(cfg) if cfg.mode == "quality" else run_bench(cfg)
+    except FileNotFoundError as e:
+        print(f"eval.py: {e}", file=sys.stderr)
+        return 1
     args = sys.argv[1:] if argv is None else list(argv)
     result.update(config=to_dict(cfg), wall_s=time.time() - t0, command=" ".join(["python", "eval.py", *args]))
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -30,6 +30,7 @@ class EvalConfig:
     bench_steps: int = 16                          # decode steps timed at each length
     bench_repeats: int = 3
     bench_preset: str | None = None                # e.g. qwen3-8b shapes on a GPU/TPU; default: the bench model
+    bench_model: str | None = None                 # an HF folder to time instead (e.g. SmolLM2 from make real-model)
     bench_transformers: bool = True                # also time transformers (PyTorch, CPU) with the same weights
 
     def __post_init__(self):
@@ -62,5 +63,7 @@ class EvalConfig:
                 raise ValueError(f"compressions: each must be in [0, 1), got {c}")
         if any(n < 1 for n in self.bench_lengths) or any(b < 1 for b in self.bench_batches):
             raise ValueError("bench_lengths and bench_batches must be positive")
+        if self.bench_model is not None and self.bench_preset is not None:
+            raise ValueError("set bench_model (an HF folder) or bench_preset (random weights of a preset), not both")
         if self.bench_budget < 6 or self.bench_steps < 1 or self.bench_repeats < 1:
             raise ValueError("bench_budget must be >= 6, bench_steps and bench_repeats >= 1")

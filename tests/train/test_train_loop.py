@@ -210,6 +210,15 @@ def test_real_recipes_dry_run_without_hardware(recipe):
     assert 0.5 < per_dev < 16
 
 
+def test_smollm2_lkv_recipe_dry_runs_without_weights():
+    from kvjax.train.dry_run import dry_run
+
+    cfg = load_config(TrainConfig, os.path.join(ROOT, "configs", "smollm2-distill-lkv.yaml"))
+    text = dry_run(cfg)
+    assert cfg.mode == "distill_lkv" and cfg.model.preset == "smollm2-135m" and "mode=distill_lkv" in text
+    assert cfg.eviction.sinks + cfg.eviction.window + cfg.eviction.topk == cfg.data.seq_len // 4
+
+
 def _with_file_size_limit(limit_bytes, script, args):
     """A command running ``script`` with writes past ``limit_bytes`` failing (EFBIG, SIGXFSZ
     ignored) -- the limit is set in the child itself, not in a fork of this threaded process."""
