@@ -1,11 +1,16 @@
-"""Long-context quality of every policy on RULER-style problems, bounded throughout.
+"""Long-context quality of every policy on RULER-style problems.
 
 For each (length, task), problems are generated (:mod:`kvjax.longctx.tasks`), batched, and
 answered greedily (``max_new`` tokens) by the dense model and by every policy at every
-compression; an answer is scored by RULER's string match. Setting: *bounded throughout*
-(KVpop's): the per-head budget ``sinks + window + topk = round((1 - c) * length)`` holds
-during prefill and decode, every prompt query sees only its kept set. The hindsight oracles
-rank by the dense model's future attention over its own prompt + answer.
+compression; an answer is scored by RULER's string match. The per-head budget is
+``sinks + window + topk = round((1 - c) * length)``. Policies with static priorities
+(StreamingLLM, K-norm, random, the oracles, KVpop) run *bounded throughout* (KVpop's
+setting): the budget holds during prefill and decode, every prompt query sees only its kept
+set. Attention-statistic policies (SnapKV, H2O, TOVA) take their scores from the prefill's
+attention, so ``kvjax.generate`` prefills them densely and compresses once when the prompt
+ends (kvpress's setting), then decodes bounded; each record says which (``prefill``) and the
+table marks them. The hindsight oracles rank by the dense model's future attention over its
+own prompt + answer.
 
 Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
 (resumable, scorer digests fingerprinted); :func:`table` averages them with standard errors.
@@ -25,6 +30,13 @@ import numpy as np
 from kvjax.longctx.tasks import TASKS
 
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
+
+
+def dense_prefill(name: str) -> bool:
+    """Whether ``generate`` prefills policy ``name`` densely (scores from the prefill's attention)."""
+    from kvjax.eviction.policies import REGISTRY
+
+    return name in REGISTRY and not REGISTRY[name].static
 
 
 @dataclass(frozen=True)
@@ -138,8 +150,11 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out
+                # static priorities hold the budget in prefill too; attention-statistic policies
+                # (SnapKV, H2O, TOVA) prefill densely and compress when the prompt ends (see module doc)
+                prefill = "dense" if policy is None or not policy.static else "bounded"
                 store.add([{"key": k, "task": task, "index": p.index, "length": length, "tokens": len(r),
-                            "depth": p.depth, "compression": comp, "policy": name,
+                            "depth": p.depth, "compression": comp, "policy": name, "prefill": prefill,
                             "score": score(p, tok.decode(a, skip_special_tokens=True)),
                             "answer": tok.decode(a, skip_special_tokens=True)[:160], "seconds": round(sec, 2)}
                            for k, p, r, a in zip(keys, probs, ids, _answers(out, stops))])
@@ -214,8 +229,9 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
     out = []
     for L in cfg.lengths:
         solv = tab["solvable"][L]
-        out.append(f"\n**{L} tokens, bounded throughout** — task average over the tasks dense solves "
-                   f"({', '.join(solv) or 'none'}); mean ± SE, N problems per task in brackets\n")
+        out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "
+                   "mean ± SE, N problems per task in brackets; bounded throughout except † (dense prefill, "
+                   "compressed when the prompt ends)\n")
         comps = list(cfg.compressions)
         out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
         out.append("|---|" + "---|" * len(comps))
@@ -225,7 +241,8 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
                 a = tab["average"].get((L, c, p))
                 cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
             n = max((v[2] for (LL, _c, pp, _t), v in tab["cells"].items() if LL == L and pp == p), default=0)
-            out.append(f"| {p} [{n}] | " + " | ".join(cells) + " |")
+            mark = " †" if dense_prefill(p) else ""
+            out.append(f"| {p}{mark} [{n}] | " + " | ".join(cells) + " |")
         tasks = sorted({t for (LL, _c, _p, t) in tab["cells"] if LL == L}, key=list(TASKS).index)
         for c in [c for c in comps if c in (0.75, 0.88)] or comps[:1]:
             out.append(f"\nper task at {c:.0%} ({L} tokens; dense in the first row)\n")

@@ -47,6 +47,7 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
     assert r["score"] == score(p, tok.decode(cut, skip_special_tokens=True)) and r["tokens"] == len(ids)
     assert {r["policy"] for r in recs} == {"dense", "streaming_llm", "oracle"}
+    assert {r["prefill"] for r in recs if r["policy"] != "dense"} == {"bounded"}
     before = (tmp_path / "out" / "problems.jsonl").read_bytes()
     again = run_longctx(cfg, model=model, tokenizer=tok, progress=False)     # all stored: nothing recomputed
     assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
@@ -79,6 +80,13 @@ def test_table_averages_solvable_tasks_with_combined_se():
     m, se, n = tab["average"][(1024, 0.75, "knorm")]
     assert (m, n) == (0.75, 1) and se == pytest.approx(np.std([1, 0, 1, 1], ddof=1) / 2)
     assert tab["cells"][(1024, 0.75, "knorm", "vt")][:2] == (0.0, 0.0)
+
+
+def test_attention_statistic_policies_are_marked_dense_prefill():
+    from kvjax.longctx.run import dense_prefill
+
+    assert [p for p in ("snapkv", "h2o", "tova", "knorm", "kvpop_mlp", "oracle", "dense") if dense_prefill(p)] == \
+        ["snapkv", "h2o", "tova"]
 
 
 def test_bad_configs_are_named():
