@@ -147,6 +147,43 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
     return jax.lax.while_loop(cond, body, init)[4]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("new_cap", "eos_ids", "pad_id", "cache_len"))
+def _generate_stepwise(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key, max_new, temperature,
+                       top_k, top_p, *, new_cap: int, eos_ids: tuple[int, ...], pad_id: int, cache_len: int):
+    """Like :func:`_generate`, but the prompt too goes token by token through the decode path:
+    at step ``i`` every row feeds its token at position ``i`` (its prompt's, or the token it
+    generated last once its prompt is done), so every query, prompt included, sees only what
+    the policy keeps (bounded throughout, whatever the policy's prefill does)."""
+    model = nnx.merge(graphdef, params)
+    B, S = tokens_BS.shape
+    state = policy.init(policy_params, model.config, B, cache_len, model.dtype, jnp.ones((B,), jnp.int32))
+    backend = functools.partial(policy.backend, policy_params)
+    pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    rows = jnp.arange(B)
+
+    def cond(c):
+        i, _, done, _, _, _ = c
+        return (i < S + max_new - 1) & ~jnp.all(done)
+
+    def body(c):
+        i, prev, done, state, out, key = c
+        tok = jnp.where(i < lengths_B, tokens_BS[:, jnp.minimum(i, S - 1)], prev)
+        h, state = model(tok[:, None], jnp.full((B, 1), i, jnp.int32), backend, state)
+        key, sub = jax.random.split(key)
+        nxt = pick(model.logits(h)[:, 0], sub)
+        j = i + 1 - lengths_B                                  # nxt is new token j of its row
+        live = (j >= 0) & (j < max_new) & ~done
+        col = jnp.clip(j, 0, new_cap - 1)
+        out = out.at[rows, col].set(jnp.where(live, nxt, out[rows, col]))
+        done = done | (live & jnp.isin(nxt, eos)) | (j >= max_new - 1)
+        return i + 1, nxt, done, state, out, key
+
+    init = (jnp.int32(0), tokens_BS[:, 0], jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32),
+            key)
+    return jax.lax.while_loop(cond, body, init)[4]
+
+
 def _hf_layout(tokens_BS: np.ndarray, lengths_B: np.ndarray, new_BN: np.ndarray, pad_id: int) -> np.ndarray:
     """``[B, S + N]`` as ``transformers`` returns it: ``[pad * (S - len), prompt, new tokens]``."""
     B, S = tokens_BS.shape
@@ -173,7 +210,7 @@ def _check_token_ids(prompt) -> None:
 def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             max_cache_len: int | None = None, bucket_lengths: bool = True) -> jax.Array:
+             max_cache_len: int | None = None, bucket_lengths: bool = True, prefill: str = "auto") -> jax.Array:
     """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]``.
 
     ``policy=None`` is the dense cache; otherwise a policy object (e.g.
@@ -184,7 +221,16 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     else 0). With ``bucket_lengths`` (default) the prompt and generation lengths are padded
     up to shared sizes (:func:`kvjax.sampling.bucket`) inside, so calls with many different
     lengths reuse a bounded number of compiled programs; the tokens are the same.
+
+    ``prefill="auto"`` processes the prompt in one pass: the dense cache attends densely,
+    policies with static priorities keep their budget already in the prompt (keep-rule
+    attention), and attention-statistic policies (SnapKV, H2O, TOVA) attend densely and
+    compress when the prompt ends. ``prefill="stepwise"`` feeds the prompt token by token
+    through the decode path instead, so every policy is bounded throughout (slower: one
+    step per prompt token).
     """
+    if prefill not in ("auto", "stepwise"):
+        raise ValueError(f"prefill must be 'auto' or 'stepwise', got {prefill!r}")
     cfg = model.config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -211,7 +257,8 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     padded = np.full((tokens.shape[0], S_b), pad_token_id, np.int32)
     padded[:, :S] = tokens
     graphdef, params = nnx.split(model)
-    new = _generate(graphdef, policy, params, policy.params, jnp.asarray(padded), jnp.asarray(lengths),
+    run = _generate_stepwise if prefill == "stepwise" else _generate
+    new = run(graphdef, policy, params, policy.params, jnp.asarray(padded), jnp.asarray(lengths),
                     jax.random.key(seed), jnp.int32(max_new), jnp.float32(temperature), jnp.int32(top_k),
                     jnp.float32(top_p), new_cap=N_b, eos_ids=tuple(int(e) for e in eos),
                     pad_id=int(pad_token_id), cache_len=max_cache_len or (S_b + N_b))

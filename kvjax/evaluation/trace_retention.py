@@ -1,9 +1,10 @@
 """What a bounded cache keeps on the real model's own traces: the KVpop seed's Figures 6 and 7.
 
-Each held-out trace (cut to ``crop`` tokens) is prefilled through a policy's cache bounded
-throughout (:func:`~kvjax.evaluation.retention.kept_positions`), and the kept set after the
-last token is compared with the hindsight oracle's (mean future attention, the seed's Eq.
-15-16, same budget):
+Each held-out trace (cut to ``crop`` tokens) is prefilled through a policy's cache
+(:func:`~kvjax.evaluation.retention.kept_positions`: bounded throughout for static-priority
+policies; SnapKV, H2O and TOVA prefill densely and select when the trace ends), and the kept
+set after the last token is compared with the hindsight oracle's (mean future attention,
+the seed's Eq. 15-16, same budget):
 
 - **Figure 7** (``figure7_recall.png``): top-k retention recall per layer and KV head,
   ``|oracle's long-range kept ∩ policy's kept| / |oracle's long-range kept|``, averaged over
@@ -81,9 +82,11 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
     if cfg.map_trace >= len(rows):
         raise ValueError(f"map_trace={cfg.map_trace}, but only {len(rows)} traces reach {cfg.crop} tokens")
     learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
+    if any(p.startswith("oracle") for p in cfg.policies):
+        raise ValueError("policies: the oracle is the reference and always runs; list only the others")
     names = list(cfg.policies) + list(learned) + ["oracle"]
     ev = budget(cfg)
-    run = {"model": config_hash(model.config), "metric": "retention-v1", "crop": cfg.crop,
+    run = {"model": config_hash(model.config), "metric": "retention-v1", "crop": cfg.crop, "map_trace": cfg.map_trace,
            "sinks": cfg.sinks, "window": cfg.window,
            "traces": [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16] for p in cfg.traces]}
     store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
@@ -114,7 +117,9 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
                                if i == cfg.map_trace else {})}
                            for b, (k, i) in enumerate(zip(keys, idx))])
         bar.close()
-        records = list(store.records.values())
+        wanted = {record_key(cfg.crop, cfg.compression, name, i) for name in names for i in range(len(rows))}
+        # this config's records only (the folder may hold other compressions or more traces)
+        records = [r for k, r in store.records.items() if k in wanted]
         return summarize(records, names), records
     finally:
         store.close()
@@ -129,9 +134,13 @@ def summarize(records: list[dict], names) -> dict:
         if not rs:
             continue
         grid = np.stack(rs)                                   # [N, L, K]
-        per_trace = np.nanmean(grid.reshape(len(rs), -1), 1)
-        se = float(per_trace.std(ddof=1) / np.sqrt(len(rs))) if len(rs) > 1 else float("nan")
-        out[p] = {"recall": float(per_trace.mean()), "recall_se": se, "n": len(rs),
+        with np.errstate(invalid="ignore"):
+            per_trace = np.nanmean(grid.reshape(len(rs), -1), 1)
+        per_trace = per_trace[np.isfinite(per_trace)]
+        if not len(per_trace):
+            continue
+        se = float(per_trace.std(ddof=1) / np.sqrt(len(per_trace))) if len(per_trace) > 1 else float("nan")
+        out[p] = {"recall": float(per_trace.mean()), "recall_se": se, "n": len(per_trace),
                   "by_head": np.round(np.nanmean(grid, 0), 4).tolist()}
     return out
 
@@ -205,7 +214,8 @@ def write_figures(cfg: RetentionConfig, summary: dict, records: list[dict], tok)
     pct = f"{cfg.compression:.0%} compression, {cfg.crop}-token traces, N={max(s['n'] for s in summary.values())}"
     paths = [plot_recall_by_layer(summary, out / "figure7_recall.png",
                                   f"top-k retention recall vs the mean-future-attention oracle per layer ({pct})")]
-    maps = {r["policy"]: r for r in records if "kept" in r}
+    map_id = records and next((r["id"] for r in records if "kept" in r), None)
+    maps = {r["policy"]: r for r in records if "kept" in r and r["id"] == map_id}
     want = cfg.map_policies or ["oracle", "snapkv", *cfg.learned]
     chosen = {p: maps[p] for p in want if p in maps}
     if chosen:

@@ -3,14 +3,15 @@
 For each (length, task), problems are generated (:mod:`kvjax.longctx.tasks`), batched, and
 answered greedily (``max_new`` tokens) by the dense model and by every policy at every
 compression; an answer is scored by RULER's string match. The per-head budget is
-``sinks + window + topk = round((1 - c) * length)``. Policies with static priorities
-(StreamingLLM, K-norm, random, the oracles, KVpop) run *bounded throughout* (KVpop's
-setting): the budget holds during prefill and decode, every prompt query sees only its kept
-set. Attention-statistic policies (SnapKV, H2O, TOVA) take their scores from the prefill's
-attention, so ``kvjax.generate`` prefills them densely and compresses once when the prompt
-ends (kvpress's setting), then decodes bounded; each record says which (``prefill``) and the
-table marks them. The hindsight oracles rank by the dense model's future attention over its
-own prompt + answer.
+``sinks + window + topk = round((1 - c) * length)``. With ``prefill: bounded`` (default)
+every policy runs *bounded throughout* (KVpop's setting): the budget holds during prefill
+and decode, every prompt query sees only its kept set. Static-priority policies get that
+from ``kvjax.generate``'s one-pass keep-rule prefill; attention-statistic policies (SnapKV,
+H2O, TOVA) feed the prompt token by token through the decode path (``prefill="stepwise"``,
+slower). With ``prefill: auto`` those three prefill densely and compress once when the
+prompt ends (``generate``'s default); each record says which (``prefill``) and the table
+marks dense-prefill rows with †. The hindsight oracles rank by the dense model's future
+attention over its own prompt + answer.
 
 Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
 (resumable, scorer digests fingerprinted); :func:`table` averages them with standard errors.
@@ -24,6 +25,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
@@ -52,6 +54,7 @@ class LongCtxConfig:
     sinks: int = 4
     window: int = 32
     question_aware: bool = False            # also state the question before the context
+    prefill: Literal["bounded", "auto"] = "bounded"   # auto: SnapKV/H2O/TOVA prefill densely
     max_new: int = 32
     batch_size: int = 8
     seed: int = 0
@@ -104,6 +107,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.export import config_hash
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
+    from kvjax.sampling import bucket
     from kvjax.text import stop_token_ids
 
     folder = Path(cfg.model_dir) if cfg.model_dir else None
@@ -114,8 +118,9 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     stops = np.asarray(stop_token_ids(model, tok), np.int32)
     learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
     names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
-    gen = Generator(tok)
-    run = {"model": config_hash(model.config), "metric": "longctx-v1", "setting": "bounded",
+    gen = Generator(tok, question_aware=cfg.question_aware)
+    run = {"model": config_hash(model.config), "metric": "longctx-v1", "prefill": cfg.prefill,
+           "problems": gen.fingerprint(),
            "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
@@ -144,15 +149,15 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 bar.update(1)
                 if store.has(keys):
                     return
+                stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 t0 = time.time()
                 out = np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
-                                                eos_token_id=stops.tolist()))[:, S:]
+                                                eos_token_id=stops.tolist(),
+                                                prefill="stepwise" if stepwise else "auto"))[:, S:]
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out
-                # static priorities hold the budget in prefill too; attention-statistic policies
-                # (SnapKV, H2O, TOVA) prefill densely and compress when the prompt ends (see module doc)
-                prefill = "dense" if policy is None or not policy.static else "bounded"
+                prefill = "dense" if policy is None or not (policy.static or stepwise) else "bounded"
                 store.add([{"key": k, "task": task, "index": p.index, "length": length, "tokens": len(r),
                             "depth": p.depth, "compression": comp, "policy": name, "prefill": prefill,
                             "score": score(p, tok.decode(a, skip_special_tokens=True)),
@@ -166,7 +171,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                         dense_new = np.asarray(kvjax.generate(model, tokens, cfg.max_new, attention_mask=mask,
                                                               eos_token_id=stops.tolist()))[:, S:]
                     full = [r + a for r, a in zip(ids, _answers(dense_new, stops))]
-                    T = S + cfg.max_new
+                    T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
                     seq = np.full((len(full), T), int(stops[0]), np.int32)
                     for b, r in enumerate(full):
                         seq[b, : len(r)] = r
@@ -190,7 +195,11 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                         pol = make_policy(name, ev)
                     answer(pol, name, comp)
         bar.close()
-        return table(list(store.records.values()), names, cfg)
+        wanted = {record_key(length, 0.0 if name == "dense" else comp, name, f"{task}/{i}")
+                  for length, task, idx in work for i in idx for name in names
+                  for comp in ([0.0] if name == "dense" else cfg.compressions)}
+        # this config's records only (a folder may also hold other compressions or more problems)
+        return table([r for k, r in store.records.items() if k in wanted], names, cfg)
     finally:
         store.close()
 
@@ -219,7 +228,7 @@ def table(records: list[dict], names, cfg: LongCtxConfig, solvable: float = 0.5)
             for p in names:
                 got = [cells[(L, comp, p, t)] for t in solv[L] if (L, comp, p, t) in cells]
                 if got and len(got) == len(solv[L]):
-                    se = math.sqrt(sum((c[1] if np.isfinite(c[1]) else 0.0) ** 2 for c in got)) / len(got)
+                    se = math.sqrt(sum(c[1] ** 2 for c in got)) / len(got)     # NaN if a task has one problem
                     avg[(L, comp, p)] = (float(np.mean([c[0] for c in got])), se, len(got))
     return {"cells": cells, "average": avg, "solvable": solv}
 
@@ -230,8 +239,9 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
     for L in cfg.lengths:
         solv = tab["solvable"][L]
         out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "
-                   "mean ± SE, N problems per task in brackets; bounded throughout except † (dense prefill, "
-                   "compressed when the prompt ends)\n")
+                   "mean ± SE, N problems per task in brackets; bounded throughout"
+                   + (" except † (dense prefill, compressed when the prompt ends)" if cfg.prefill == "auto" else "")
+                   + "\n")
         comps = list(cfg.compressions)
         out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
         out.append("|---|" + "---|" * len(comps))
@@ -241,7 +251,7 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
                 a = tab["average"].get((L, c, p))
                 cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
             n = max((v[2] for (LL, _c, pp, _t), v in tab["cells"].items() if LL == L and pp == p), default=0)
-            mark = " †" if dense_prefill(p) else ""
+            mark = " †" if cfg.prefill == "auto" and dense_prefill(p) else ""
             out.append(f"| {p}{mark} [{n}] | " + " | ".join(cells) + " |")
         tasks = sorted({t for (LL, _c, _p, t) in tab["cells"] if LL == L}, key=list(TASKS).index)
         for c in [c for c in comps if c in (0.75, 0.88)] or comps[:1]:

@@ -31,12 +31,14 @@ from __future__ import annotations
 import collections
 import functools
 import re
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 TASKS = ("niah_noise", "niah_text", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa")
 DEPTHS = (0.05, 0.25, 0.5, 0.75, 0.95)
+GENERATOR_VERSION = "tasks-v1"     # bump when a change alters the problems
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
 
@@ -44,8 +46,8 @@ NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. The
 class Problem:
     task: str
     index: int
-    length: int                    # the target prompt length in tokens (the real prompt: 95-100% of it)
-    depth: float | None            # the (first) needle's relative depth in the context, when there is one
+    length: int                    # the target prompt length in tokens (the real prompt: 90-100% of it)
+    depth: float | None            # relative depth of the first asked needle (its first value), if any
     context: str                   # instructions + the long text (what question-agnostic compression sees)
     question: str                  # the question, after the context
     answer_prefix: str             # the start of the assistant's answer (RULER gives it in the prompt)
@@ -86,7 +88,9 @@ def _sentences(start: int, n_paragraphs: int = 400) -> list[str]:
     paras = _doc_text()
     out = []
     for i in range(n_paragraphs):
-        out += re.split(r"(?<=[.!?])\s+", paras[(start + i) % len(paras)])
+        for sent in re.split(r"(?<=[.!?])\s+", paras[(start + i) % len(paras)]):
+            words = sent.split(" ")               # long "sentences" (tables, grammar) in pieces
+            out += [" ".join(words[j : j + 30]) for j in range(0, len(words), 30)]
     return out
 
 
@@ -145,16 +149,26 @@ class Generator:
     """``Generator(tokenizer).problem(task, length, index, seed)`` builds one :class:`Problem`;
     the same arguments give the same problem."""
 
-    def __init__(self, tokenizer, *, digits: int = 6, chat_overhead: int = 40):
+    def __init__(self, tokenizer, *, digits: int = 6, chat_overhead: int = 40, question_aware: bool = False):
+        """``question_aware``: prompts will state the question before the context too
+        (:func:`prompt_ids`), so the context leaves room for it."""
         self.count = _Counter(tokenizer)
-        self.digits, self.overhead = digits, chat_overhead
+        self.digits, self.overhead, self.question_aware = digits, chat_overhead, question_aware
+
+    def fingerprint(self) -> dict:
+        """What the problems depend on besides (task, length, index, seed)."""
+        import hashlib
+
+        return {"version": GENERATOR_VERSION, "digits": self.digits, "overhead": self.overhead,
+                "question_aware": self.question_aware,
+                "docs": hashlib.sha256("\n".join(_doc_text()).encode()).hexdigest()[:16]}
 
     def problem(self, task: str, length: int, index: int, seed: int = 0) -> Problem:
         if task not in TASKS:
             raise ValueError(f"unknown long-context task {task!r}; known: {', '.join(TASKS)}")
         if length < 256:
             raise ValueError(f"length {length} is too short for a long-context problem (at least 256 tokens)")
-        rs = np.random.RandomState([seed, TASKS.index(task), length, index])
+        rs = np.random.RandomState([seed, zlib.crc32(task.encode()), length, index])
         depth = DEPTHS[index % len(DEPTHS)]
         return getattr(self, "_" + task)(rs, task, length, index, depth)
 
@@ -162,8 +176,9 @@ class Generator:
         return [self.problem(task, length, i, seed) for i in range(n)]
 
     # -- the context budget: target minus instructions, question and chat template --------
-    def _room(self, length: int, *texts: str) -> int:
-        return length - self.overhead - sum(self.count.n(t) for t in texts)
+    def _room(self, length: int, *texts: str, question: str = "") -> int:
+        twice = self.count.n(question) + 2 if self.question_aware else 0
+        return length - self.overhead - twice - sum(self.count.n(t) for t in (*texts, question))
 
     def _niah(self, rs, task, length, index, depth, *, haystack, n_keys, n_values, n_asked):
         words = _words()
@@ -180,9 +195,9 @@ class Generator:
         order = rs.permutation(len(needles))
         needles = [needles[i] for i in order]
         depths = [depth] + [float(rs.uniform(0.02, 0.98)) for _ in needles[1:]]
-        if n_asked == 1 and n_values == 1:        # the asked needle sits at the recorded depth
-            first = needles.index(_needle(asked[0], values[asked[0]][0]))
-            needles.insert(0, needles.pop(first))
+        # the first asked key's first value sits at the recorded depth
+        first = needles.index(_needle(asked[0], values[asked[0]][0]))
+        needles.insert(0, needles.pop(first))
         what = "numbers" if n_values > 1 or n_asked > 1 else "number"
         ask = ", ".join(asked)
         intro = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
@@ -192,7 +207,7 @@ class Generator:
                                               "provided text?")
         prefix = (f"The special magic {what} for {ask} mentioned in the provided text {'are' if what == 'numbers' else 'is'}")
         units = [NOISE] if haystack == "noise" else _sentences(rs.randint(len(_doc_text())))
-        room = self._room(length, intro, question, prefix, *needles)
+        room = self._room(length, intro, prefix, *needles, question=question)
         context = " ".join(_insert(self.count, _fill(self.count, units, room), needles, depths))
         answers = tuple(v for k in asked for v in values[k])
         return Problem(task, index, length, depth, f"{intro}\n\n{context}", question, prefix, answers,
@@ -224,6 +239,8 @@ class Generator:
         rs.shuffle(all_names)
         chains = [all_names[: hops + 1], all_names[hops + 1:]]
         value, other = _number(rs, 5), _number(rs, 5)
+        while other == value:
+            other = _number(rs, 5)
         lines = []
         for chain, v in ((chains[0], value), (chains[1], other)):
             lines.append([f"VAR {chain[0]} = {v}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])])
@@ -235,18 +252,20 @@ class Generator:
         question = f"Find all variables that are assigned the value {value} in the text above."
         prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} "
                   f"variables are assigned the value {value}, they are:")
-        room = self._room(length, intro, question, prefix, *needles)
+        room = self._room(length, intro, prefix, *needles, question=question)
         context = " ".join(_insert(self.count, _fill(self.count, [NOISE], room), needles, depths))
         return Problem(task, index, length, depth, f"{intro}\n\n{context}", question, prefix, tuple(chains[0]),
                        meta={"value": value, "distractor": chains[1]})
 
     def _cwe(self, rs, task, length, index, depth, n_common: int = 10, common_freq: int = 30, rare_freq: int = 3):
-        words = [str(w) for w in rs.permutation(_words())]
-        common = words[:n_common]
         intro = "Below is a numbered list of words. In these words, some appear more often than others."
         question = f"What are the {n_common} most common words in the above list?"
         prefix = f"Answer: The top {n_common} words that appear most often in the list are:"
-        room = self._room(length, intro, question, prefix)
+        # no list word inside the instructions (the string match would find it there)
+        said = " ".join((intro, question, prefix)).lower()
+        words = [str(w) for w in rs.permutation(_words()) if w not in said]
+        common = words[:n_common]
+        room = self._room(length, intro, prefix, question=question)
         # shrink the common-word frequency on short lists so that the rare words still fit
         per_item = 4
         slots = room // per_item
@@ -264,19 +283,28 @@ class Generator:
                        meta={"common_freq": freq})
 
     def _fwe(self, rs, task, length, index, depth, alpha: float = 2.0, top: int = 3):
-        vocab = ["".join(chr(97 + c) for c in rs.randint(0, 26, 5)) for _ in range(400)]
+        vocab = set()
+        while len(vocab) < 400:
+            vocab.add("".join(chr(97 + c) for c in rs.randint(0, 26, 5)))
+        vocab = [str(w) for w in rs.permutation(sorted(vocab))]
         intro = ("Read the following coded text and track the frequency of each coded word. Find the three most "
                  "frequently appeared coded words.")
         question = "Question: Do not provide any explanation. Please ignore the dots '....'. What are the three most frequently appeared words in the above coded text?"
         prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
-        room = self._room(length, intro, question, prefix)
+        room = self._room(length, intro, prefix, question=question)
         ranks = np.arange(1, len(vocab) + 1, dtype=float)
         p = ranks ** -alpha / np.sum(ranks ** -alpha)
-        draws = rs.choice(len(vocab), size=room, p=p)     # each word is at least one token
-        render = lambda m: " ".join(vocab[i] for i in draws[:m]) + " ...."   # noqa: E731
-        m = _longest(lambda m: self.count.n(render(m)) <= room, len(draws))
-        text, draws = render(m), draws[:m]
-        counts = np.bincount(draws, minlength=len(vocab))
+        for _attempt in range(50):       # redraw until the top words are set apart from the rest
+            draws = rs.choice(len(vocab), size=room, p=p)     # each word is at least one token
+            render = lambda m: " ".join(vocab[i] for i in draws[:m]) + " ...."   # noqa: E731
+            m = _longest(lambda m: self.count.n(render(m)) <= room, len(draws))
+            text, draws = render(m), draws[:m]
+            counts = np.bincount(draws, minlength=len(vocab))
+            ordered = np.sort(counts)[::-1]
+            if ordered[top - 1] > ordered[top]:
+                break
+        else:
+            raise RuntimeError(f"fwe: no {length}-token text with a unique top {top} in 50 draws; raise the length")
         best = [vocab[i] for i in np.argsort(-counts, kind="stable")[:top]]
         return Problem(task, index, length, None, f"{intro}\n\n{text}", question, prefix, tuple(best),
                        meta={"counts": sorted(counts.tolist(), reverse=True)[:top + 2]})
@@ -307,7 +335,7 @@ class Generator:
         prefix = {"town": f"Answer: {asked['name']} was born in the town of",
                   "year": f"Answer: {asked['name']} was born in the year",
                   "job": f"Answer: {asked['name']} worked as a"}[kind]
-        room = self._room(length, intro, question, prefix)
+        room = self._room(length, intro, prefix, question=question)
         docs, used = [], 0
         while True:
             b = bio(len(docs) + 1, person())
@@ -325,13 +353,15 @@ class Generator:
 
 def prompt_ids(tokenizer, problem: Problem, *, question_aware: bool = False) -> tuple[list[int], list[int]]:
     """``(context ids, question ids)`` of the chat prompt (system/user/assistant template, the
-    answer prefix after the assistant header). Their concatenation is the whole prompt;
+    answer prefix after the assistant header). Their concatenation is the whole prompt's
+    tokenization;
     ``question_aware`` also states the question before the context (RULER's query-aware form)."""
     context = (f"{problem.question}\n\n" if question_aware else "") + problem.context
     marker = "\u2063QUESTION\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{context}\n\n{marker}"}], tokenize=False,
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{context}{marker}"}], tokenize=False,
                                          add_generation_prompt=True)
     head, tail = text.split(marker)
-    tail = f"{problem.question}{tail}{problem.answer_prefix}"
+    # the split sits before the blank line, so both halves tokenize as the whole text does
+    tail = f"\n\n{problem.question}{tail}{problem.answer_prefix}"
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]   # noqa: E731
     return enc(head), enc(tail)

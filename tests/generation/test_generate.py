@@ -112,6 +112,33 @@ def test_length_buckets_give_the_unbucketed_tokens(pair, policy):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
+def test_stepwise_prefill_is_bounded_throughout(pair):
+    """``prefill="stepwise"`` feeds the prompt through the decode path: for the dense cache and
+    static-priority policies it gives ``prefill="auto"``'s tokens (and EOS handling); for
+    SnapKV, whose ``auto`` prefill is dense, its first token is the argmax of the teacher-forced
+    token-by-token logits (:func:`kvjax.eviction.forced.stepwise_logits`), not the dense one."""
+    from kvjax.eviction.forced import stepwise_logits
+
+    model, _ = pair
+    ids, mask = left_padded([6, 17, 11], seed=5)
+    ev = kvjax.EvictionConfig(sinks=2, window=3, topk=4)
+    for pol in (None, kvjax.make_policy("knorm", ev), kvjax.make_policy("streaming_llm", ev)):
+        a = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=pol))
+        b = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=pol, prefill="stepwise"))
+        np.testing.assert_array_equal(a, b)
+    snap = kvjax.make_policy("snapkv", ev)
+    row = ids[1:2, mask[1].argmax():]
+    first = np.asarray(kvjax.generate(model, row, 1, policy=snap, prefill="stepwise", eos_token_id=[]))[0, -1]
+    assert first == int(np.argmax(np.asarray(stepwise_logits(model, row, snap))[0, -1]))
+    auto = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=snap, eos_token_id=[]))
+    step = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=snap, eos_token_id=[],
+                                     prefill="stepwise"))
+    assert (auto != step).any()                   # a dense prefill is not a bounded one
+    with pytest.raises(ValueError, match="prefill must be 'auto' or 'stepwise'"):
+        kvjax.generate(model, ids, 2, prefill="dense")
+
+
 def test_many_lengths_compile_a_bounded_number_of_programs(hf_dir):
     """240 calls with distinct prompt lengths (10..489) and 3 generation lengths in one process."""
     from kvjax.generate import _generate

@@ -1,6 +1,7 @@
 """The long-context runner: records equal a direct generate + score, the run resumes, oracles
 work on ragged rows, the table's averages and standard errors are right, bad configs are named."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -30,11 +31,11 @@ def model():
 @pytest.mark.integration
 def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     cfg = LongCtxConfig(tasks=["niah_noise", "qa"], lengths=[256], problems=3, compressions=[0.5],
-                        policies=["streaming_llm", "oracle"], sinks=2, window=8, max_new=6, batch_size=2,
+                        policies=["streaming_llm", "oracle", "tova"], sinks=2, window=8, max_new=6, batch_size=2,
                         out_dir=str(tmp_path / "out"))
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
     recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 * 3 * 3                        # tasks x problems x (dense, streaming, oracle)
+    assert len(recs) == 2 * 3 * 4                        # tasks x problems x (dense, streaming, oracle, tova)
     # problem qa/2 sat alone in its batch: rerun it directly
     p = Generator(tok).problem("qa", 256, 2)
     ids = sum(prompt_ids(tok, p), [])
@@ -46,12 +47,22 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     r = next(r for r in recs if r["task"] == "qa" and r["index"] == 2 and r["policy"] == "streaming_llm")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
     assert r["score"] == score(p, tok.decode(cut, skip_special_tokens=True)) and r["tokens"] == len(ids)
-    assert {r["policy"] for r in recs} == {"dense", "streaming_llm", "oracle"}
+    assert {r["policy"] for r in recs} == {"dense", "streaming_llm", "oracle", "tova"}
     assert {r["prefill"] for r in recs if r["policy"] != "dense"} == {"bounded"}
+    # TOVA ran bounded throughout: its prompt went token by token through the decode path
+    tova = kvjax.make_policy("tova", budget(cfg, 256, 0.5))
+    out = np.asarray(kvjax.generate(model, [ids], 6, policy=tova, eos_token_id=stops, prefill="stepwise"))[0, len(ids):]
+    cut = out.tolist()[: next((i for i, t in enumerate(out.tolist()) if t in stops), len(out))]
+    r = next(r for r in recs if r["task"] == "qa" and r["index"] == 2 and r["policy"] == "tova")
+    assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
     before = (tmp_path / "out" / "problems.jsonl").read_bytes()
     again = run_longctx(cfg, model=model, tokenizer=tok, progress=False)     # all stored: nothing recomputed
     assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
-    assert "| streaming_llm [3] |" in markdown(tab, cfg, ["dense", "streaming_llm", "oracle"])
+    assert "| streaming_llm [3] |" in markdown(tab, cfg, ["dense", "streaming_llm", "oracle", "tova"])
+    fewer = dataclasses.replace(cfg, problems=2)      # a smaller config on the same folder: its records only
+    small = run_longctx(fewer, model=model, tokenizer=tok, progress=False)
+    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before
+    assert {v[2] for v in small["cells"].values()} == {2}
     json.dumps(to_json(tab))
 
 
