@@ -32,7 +32,8 @@ INTEGRATION = {
     "train/test_distill_kvpop.py", "train/test_distill_lkv.py", "train/test_sharding.py",
     "evaluation/test_eval_cli.py", "kernels/test_kernels.py", "generation/test_generate.py",
     "eviction/test_eviction_state.py", "project/test_device_check.py", "scorers/test_export.py",
-    "train/test_key_dropout.py", "scorers/test_scorer_fit.py",
+    "train/test_key_dropout.py", "scorers/test_scorer_fit.py", "longctx/test_tasks.py",
+    "longctx/test_longctx_run.py", "evaluation/test_trace_retention.py",
 }
 
 

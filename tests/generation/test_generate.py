@@ -112,7 +112,6 @@ def test_length_buckets_give_the_unbucketed_tokens(pair, policy):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.slow
 def test_stepwise_prefill_is_bounded_throughout(pair):
     """``prefill="stepwise"`` feeds the prompt through the decode path: for the dense cache and
     static-priority policies it gives ``prefill="auto"``'s tokens (and EOS handling); for

@@ -28,7 +28,6 @@ def model():
     return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
 
 
-@pytest.mark.integration
 def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     cfg = LongCtxConfig(tasks=["niah_noise", "qa"], lengths=[256], problems=3, compressions=[0.5],
                         policies=["streaming_llm", "oracle", "tova"], sinks=2, window=8, max_new=6, batch_size=2,
