@@ -3,7 +3,8 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo teacher quality real-model traces features scorers fidelity retention
+.PHONY: install test test-fast demo teacher quality real-model traces features scorers fidelity retention longctx \
+	kvpress-compare
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,6 +51,27 @@ fidelity: traces
 
 retention: traces
 	$(PY) -m kvjax.evaluation.trace_retention --config configs/retention-smollm2.yaml
+
+# RULER-style long-context table of every policy (LONGCTX=configs/longctx-smollm2-quick.yaml: ~10 min)
+LONGCTX ?= configs/longctx-smollm2.yaml
+longctx: real-model
+	$(PY) -m kvjax.longctx --config $(LONGCTX)
+
+# kvpress 0.5.5's presses on the same tokenized problems, in its own venv (kvpress pins another
+# transformers): question-agnostic, the context compressed once; not part of make test.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PRESSES ?= none streaming_llm snapkv tova knorm pyramidkv adakv_snapkv keydiff expected_attention
+KVPRESS_COMPRESSIONS ?= 0.75 0.88
+$(KVPRESS_VENV)/.installed: bench/kvpress_venv.sh
+	bash bench/kvpress_venv.sh
+	touch $@
+
+kvpress-compare: $(KVPRESS_VENV)/.installed real-model
+	$(PY) -m kvjax.longctx --config $(LONGCTX) --export-problems runs/kvpress-compare/problems.jsonl
+	$(KVPRESS_VENV)/bin/python bench/kvpress_compare.py --problems runs/kvpress-compare/problems.jsonl \
+		--model $$($(PY) -c "from kvjax.real_model import default_model_dir as d; print(d())") \
+		--presses $(KVPRESS_PRESSES) --compressions $(KVPRESS_COMPRESSIONS) --max-new 32 \
+		--window 32 --kernel 7 --sinks 4 --out runs/kvpress-compare
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

@@ -2,6 +2,8 @@
 
 Long-context quality (RULER-style tasks, bounded throughout) of every policy on the real
 model; writes ``out_dir/table.md`` and ``out_dir/summary.json`` and prints the table.
+``--export-problems FILE`` writes the config's problems as token ids instead (the input of
+``bench/kvpress_compare.py``) and evaluates nothing.
 """
 
 import json
@@ -13,7 +15,18 @@ from kvjax.longctx.run import LongCtxConfig, markdown, run_longctx, to_json
 
 
 def main(argv=None) -> int:
-    cfg, _ = cli_config(LongCtxConfig, "python -m kvjax.longctx", __doc__, argv)
+    cfg, args = cli_config(LongCtxConfig, "python -m kvjax.longctx", __doc__, argv,
+                           extra=lambda ap: ap.add_argument("--export-problems", metavar="FILE",
+                                                            help="write the problems as token ids and stop"))
+    if args.export_problems:
+        import transformers
+
+        from kvjax.longctx.run import export_problems
+        from kvjax.real_model import ensure_model
+
+        tok = transformers.AutoTokenizer.from_pretrained(cfg.model_dir or ensure_model())
+        print(f"wrote {export_problems(cfg, args.export_problems, tok)} problems to {args.export_problems}")
+        return 0
     try:
         tab = run_longctx(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

@@ -204,6 +204,34 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
         store.close()
 
 
+def export_problems(cfg: LongCtxConfig, path, tokenizer) -> int:
+    """Write this config's problems, tokenized exactly as the runner feeds them, as JSONL
+    ``{"id", "task", "length", "depth", "context_ids", "question_ids", "answers", "metric"}``
+    (for ``bench/kvpress_compare.py``: the same token ids, compressed at the context's end).
+    Returns the number written."""
+    import json
+
+    from kvjax.longctx.tasks import Generator, prompt_ids
+
+    gen = Generator(tokenizer, question_aware=cfg.question_aware)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    n = 0
+    with open(tmp, "w") as f:
+        for length in cfg.lengths:
+            for task in cfg.tasks:
+                for i in range(cfg.problems_at.get(length, cfg.problems)):
+                    p = gen.problem(task, length, i, cfg.seed)
+                    ctx, q = prompt_ids(tokenizer, p, question_aware=cfg.question_aware)
+                    f.write(json.dumps({"id": f"{length}/{task}/{i}", "task": task, "length": length,
+                                        "depth": p.depth, "context_ids": ctx, "question_ids": q,
+                                        "answers": list(p.answers), "metric": p.metric}) + "\n")
+                    n += 1
+    tmp.replace(path)                   # whole file or none
+    return n
+
+
 def _mean_se(x) -> tuple[float, float]:
     x = np.asarray(x, float)
     return float(x.mean()), (float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else float("nan"))

@@ -104,3 +104,17 @@ def test_bad_configs_are_named():
         LongCtxConfig(tasks=["ruler"])
     with pytest.raises(ValueError, match="compression 0.97 of 1024 tokens leaves 31 slots"):
         LongCtxConfig(lengths=[1024], compressions=[0.97])
+
+
+def test_exported_problems_are_the_runners_token_ids(tok, tmp_path):
+    from kvjax.longctx.run import export_problems
+
+    cfg = LongCtxConfig(tasks=["niah_multikey", "vt"], lengths=[512], problems=2, problems_at={512: 3},
+                        question_aware=True)
+    assert export_problems(cfg, tmp_path / "p.jsonl", tok) == 6
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    p = Generator(tok, question_aware=True).problem("vt", 512, 2)
+    ctx, q = prompt_ids(tok, p, question_aware=True)
+    r = rows[-1]
+    assert (r["id"], r["context_ids"], r["question_ids"], r["answers"]) == ("512/vt/2", ctx, q, list(p.answers))
+    assert not (tmp_path / "p.jsonl.tmp").exists()
