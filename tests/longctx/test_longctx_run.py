@@ -109,7 +109,7 @@ def test_bad_configs_are_named():
 def test_exported_problems_are_the_runners_token_ids(tok, tmp_path):
     from kvjax.longctx.run import export_problems
 
-    cfg = LongCtxConfig(tasks=["niah_multikey", "vt"], lengths=[512], problems=2, problems_at={512: 3},
+    cfg = LongCtxConfig(tasks=["niah_multikey", "vt"], lengths=[512], problems=2, problems_at={512: 3}, compressions=[0.5],
                         question_aware=True)
     assert export_problems(cfg, tmp_path / "p.jsonl", tok) == 6
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
