@@ -14,8 +14,9 @@ trace writes, for every token ``t``, layer ``l`` and KV head ``h``:
 
 ``T`` is the split's total number of tokens; ``index.json`` holds each trace's offset and
 length. The pass is resumable: ``progress.json`` (written atomically after the arrays are
-flushed) counts the traces done; a rerun continues there. SmolLM2-135M on 2 cores: about
-3 s per 700-token trace; 23 KB of features per token.
+flushed) counts the traces done; a rerun continues there. SmolLM2-135M on 2 cores (measured
+alone): 223 train traces, 170,717 tokens, in 21 min 22 s (133 tokens/s, compiles included);
+23 KB of features per token (3.7 GiB for the train split).
 """
 
 from __future__ import annotations
