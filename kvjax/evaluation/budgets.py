@@ -17,6 +17,13 @@ def budget_for(length: int, compression: float, *, sinks: int = 4, window_frac: 
     return EvictionConfig(sinks=sinks, window=window, topk=total - sinks - window)
 
 
+def fixed_window_budget(length: int, compression: float, *, sinks: int, window: int) -> EvictionConfig:
+    """``EvictionConfig`` with the given sinks and window and ``topk`` filling the rest of
+    ``round((1 - compression) * length)`` slots (the real-model evaluations' budgets)."""
+    total = int(round((1.0 - compression) * length))
+    return EvictionConfig(sinks=sinks, window=window, topk=total - sinks - window)
+
+
 def rebudget(policy, ev: EvictionConfig):
     """A loaded learned policy at another budget ``ev``. Policies with LKV per-head budgets
     keep their learned split: each head's budget and ``k_max`` scale by ``ev.topk / topk``

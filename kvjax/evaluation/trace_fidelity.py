@@ -61,10 +61,9 @@ class FidelityConfig:
 
 
 def budget(cfg: FidelityConfig, crop: int, compression: float):
-    from kvjax.eviction.config import EvictionConfig
+    from kvjax.evaluation.budgets import fixed_window_budget
 
-    total = int(round((1.0 - compression) * crop))
-    return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
+    return fixed_window_budget(crop, compression, sinks=cfg.sinks, window=cfg.window)
 
 
 def load_traces(paths, max_traces: int = 0) -> list[dict]:

@@ -53,10 +53,9 @@ class RetentionConfig:
 
 
 def budget(cfg: RetentionConfig):
-    from kvjax.eviction.config import EvictionConfig
+    from kvjax.evaluation.budgets import fixed_window_budget
 
-    total = int(round((1.0 - cfg.compression) * cfg.crop))
-    return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
+    return fixed_window_budget(cfg.crop, cfg.compression, sinks=cfg.sinks, window=cfg.window)
 
 
 

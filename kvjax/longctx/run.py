@@ -78,10 +78,9 @@ class LongCtxConfig:
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
-    from kvjax.eviction.config import EvictionConfig
+    from kvjax.evaluation.budgets import fixed_window_budget
 
-    total = int(round((1.0 - compression) * length))
-    return EvictionConfig(sinks=cfg.sinks, window=cfg.window, topk=total - cfg.sinks - cfg.window)
+    return fixed_window_budget(length, compression, sinks=cfg.sinks, window=cfg.window)
 
 
 
