@@ -20,6 +20,7 @@ Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -142,12 +143,14 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 tokens[b, : len(r)], mask[b, : len(r)] = r, 1
             dense_new, oracles = None, {}
 
-            def answer(policy, name, comp):
+            def answer(make_policy_, name, comp):
+                """``make_policy_()`` builds the policy only when some record is missing."""
                 nonlocal dense_new
                 keys = [record_key(length, comp, name, f"{task}/{p.index}") for p in probs]
                 bar.update(1)
                 if store.has(keys):
                     return
+                policy = make_policy_()
                 stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 t0 = time.time()
                 out = np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
@@ -178,21 +181,17 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                                                       lengths_B=np.asarray([len(r) for r in full], np.int32))
                 return oracles[kind]
 
-            answer(None, "dense", 0.0)
+            answer(lambda: None, "dense", 0.0)
             for comp in cfg.compressions:
                 ev = budget(cfg, length, comp)
                 for name in names[1:]:
                     if name in learned:
-                        pol = rebudget(learned[name], ev)
+                        make = functools.partial(rebudget, learned[name], ev)
                     elif name in ORACLES:
-                        keys = [record_key(length, comp, name, f"{task}/{p.index}") for p in probs]
-                        if store.has(keys):
-                            bar.update(1)
-                            continue
-                        pol = make_policy(name, ev, params=oracle(ORACLES[name]))
+                        make = lambda n=name, e=ev: make_policy(n, e, params=oracle(ORACLES[n]))   # noqa: E731
                     else:
-                        pol = make_policy(name, ev)
-                    answer(pol, name, comp)
+                        make = functools.partial(make_policy, name, ev)
+                    answer(make, name, comp)
         bar.close()
         wanted = {record_key(length, 0.0 if name == "dense" else comp, name, f"{task}/{i}")
                   for length, task, idx in work for i in idx for name in names
