@@ -33,7 +33,7 @@ traces: real-model
 features: traces
 	$(PY) -m kvjax.scorer_fit features --config configs/features-smollm2.yaml
 
-SCORER_FITS = mlp-mean mlstm-mean
+SCORER_FITS = mlp-mean mlstm-mean mlp-peak mlp-union
 scorers: features
 	for fit in $(SCORER_FITS); do \
 		$(PY) -m kvjax.scorer_fit fit --config configs/scorers-smollm2.yaml --set scorer=$${fit%-*} \

@@ -6,6 +6,7 @@ from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.keep_rule import keep_mask
 from kvjax.eviction.policies import REGISTRY as POLICIES
 from kvjax.eviction.policies import make_policy, register
+from kvjax.eviction.prompt_compressed import prompt_compressed
 from kvjax.export import export_scorers, load_scorers
 from kvjax.generate import forward, generate
 from kvjax.lkv import soft_topk
@@ -25,5 +26,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
-           "EvictionConfig", "make_policy", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
+           "EvictionConfig", "make_policy", "prompt_compressed", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
            "export_scorers", "load_scorers", "TextGenerator", "generate_text", "real_model"]

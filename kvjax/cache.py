@@ -29,9 +29,10 @@ class DenseCache:
 
 
 def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache, *,
-                          span: int | None = None):
+                          span: int | None = None, visible_BKST=None):
     """Attention backend: write the new keys/values at their positions, attend causally;
-    with ``span``, over slots ``[0, span)`` only (the caller knows no query reaches past it)."""
+    with ``span``, over slots ``[0, span)`` only (the caller knows no query reaches past it);
+    ``visible_BKST`` (bool, broadcastable to ``[B, K, S, span or T]``) hides further slots per KV head."""
     B = q_BSHD.shape[0]
     rows = jnp.arange(B)[:, None]
     k_all = cache.k[layer].at[rows, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))
@@ -39,7 +40,7 @@ def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cach
     T = k_all.shape[1] if span is None else span
     k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     out, _ = dense_attention(q_BSHD, k_all[:, :T].astype(q_BSHD.dtype), v_all[:, :T].astype(q_BSHD.dtype),
-                             positions_BS, k_pos)
+                             positions_BS, k_pos, visible_BST=visible_BKST)
     ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
     vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]
     return out, cache.replace(k=ks, v=vs)

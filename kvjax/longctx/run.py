@@ -10,8 +10,10 @@ from ``kvjax.generate``'s one-pass keep-rule prefill; attention-statistic polici
 H2O, TOVA) feed the prompt token by token through the decode path (``prefill="stepwise"``,
 slower). With ``prefill: auto`` those three prefill densely and compress once when the
 prompt ends (``generate``'s default); each record says which (``prefill``) and the table
-marks dense-prefill rows with †. The hindsight oracles rank by the dense model's future
-attention over its own prompt + answer.
+marks dense-prefill rows with †. With ``prefill: compressed`` every policy runs in kvpress's
+setting (:mod:`kvjax.eviction.prompt_compressed`): dense prefill, the context (not the
+question) compressed once to ``round((1 - c) * n)`` tokens per head, then nothing is evicted.
+The hindsight oracles rank by the dense model's future attention over its own prompt + answer.
 
 Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
 (resumable, scorer digests fingerprinted); :func:`table` averages them with standard errors.
@@ -33,6 +35,10 @@ import numpy as np
 from kvjax.longctx.tasks import TASKS
 
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
+SETTING = {"bounded": "bounded throughout (every prompt query sees only the kept set)",
+           "auto": "bounded throughout except † (dense prefill, compressed when the prompt ends)",
+           "compressed": "prefill compression (kvpress's setting: dense prefill, the context compressed once, "
+                         "the question and answer evict nothing)"}
 
 
 def dense_prefill(name: str) -> bool:
@@ -55,7 +61,8 @@ class LongCtxConfig:
     sinks: int = 4
     window: int = 32
     question_aware: bool = False            # also state the question before the context
-    prefill: Literal["bounded", "auto"] = "bounded"   # auto: SnapKV/H2O/TOVA prefill densely
+    prefill: Literal["bounded", "auto", "compressed"] = "bounded"   # auto: SnapKV/H2O/TOVA prefill densely;
+    #                                                 compressed: kvpress's setting (dense prefill, context compressed once)
     max_new: int = 32
     batch_size: int = 8
     seed: int = 0
@@ -74,6 +81,8 @@ class LongCtxConfig:
                 if round((1 - c) * n) <= self.sinks + self.window:
                     raise ValueError(f"compression {c} of {n} tokens leaves {round((1 - c) * n)} slots, "
                                      f"not more than sinks + window = {self.sinks + self.window}")
+        if self.prefill not in ("bounded", "auto", "compressed"):
+            raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
         if min(self.problems, self.batch_size, self.max_new) < 1:
             raise ValueError("problems, batch_size and max_new must be >= 1")
 
@@ -104,6 +113,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.evaluation.oracle import oracle_priorities
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.policies import make_policy
+    from kvjax.eviction.prompt_compressed import prompt_compressed
     from kvjax.export import config_hash
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
@@ -135,7 +145,9 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
         for length, task, idx in work:
             probs = [gen.problem(task, length, i, cfg.seed) for i in idx]
-            ids = [sum(prompt_ids(tok, p, question_aware=cfg.question_aware), []) for p in probs]
+            parts = [prompt_ids(tok, p, question_aware=cfg.question_aware) for p in probs]
+            ids = [c + q for c, q in parts]
+            context = [len(c) for c, _ in parts]
             S = max(map(len, ids))
             tokens = np.full((len(ids), S), int(stops[0]), np.int32)
             mask = np.zeros_like(tokens)
@@ -151,6 +163,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 if store.has(keys):
                     return
                 policy = make_policy_()
+                if policy is not None and cfg.prefill == "compressed":
+                    policy = prompt_compressed(policy, comp, context)
                 stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 t0 = time.time()
                 out = np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
@@ -159,7 +173,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out
-                prefill = "dense" if policy is None or not (policy.static or stepwise) else "bounded"
+                prefill = ("dense" if policy is None else "compressed" if cfg.prefill == "compressed"
+                           else "bounded" if policy.static or stepwise else "dense")
                 store.add([{"key": k, "task": task, "index": p.index, "length": length, "tokens": len(r),
                             "depth": p.depth, "compression": comp, "policy": name, "prefill": prefill,
                             "score": score(p, tok.decode(a, skip_special_tokens=True)),
@@ -265,9 +280,7 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
     for L in cfg.lengths:
         solv = tab["solvable"][L]
         out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "
-                   "mean ± SE, N problems per task in brackets; bounded throughout"
-                   + (" except † (dense prefill, compressed when the prompt ends)" if cfg.prefill == "auto" else "")
-                   + "\n")
+                   "mean ± SE, N problems per task in brackets; " + SETTING[cfg.prefill] + "\n")
         comps = list(cfg.compressions)
         out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
         out.append("|---|" + "---|" * len(comps))

@@ -15,7 +15,8 @@ NEG_INF = -1e30
 
 def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None, visible_BST=None):
     """Returns ``(out [B, S, Hq, D] in q's dtype, lse [B, S, Hq] float32)``; ``visible_BST``
-    (optional bool) further restricts which keys each query sees."""
+    (optional bool ``[B, S, T]``, or ``[B, K, S, T]`` per KV head) further restricts which
+    keys each query sees."""
     B, S, Hq, D = q_BSHD.shape
     K = k_BTKD.shape[2]
     G = Hq // K
@@ -25,9 +26,11 @@ def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None,
     allowed_BST = k_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
     if k_valid_BT is not None:
         allowed_BST = allowed_BST & k_valid_BT[:, None, :]
+    allowed_BK1ST = allowed_BST[:, None, None]
     if visible_BST is not None:
-        allowed_BST = allowed_BST & visible_BST
-    logits_BKGST = jnp.where(allowed_BST[:, None, None], logits_BKGST, NEG_INF)
+        allowed_BK1ST = allowed_BK1ST & (visible_BST[:, None, None] if visible_BST.ndim == 3
+                                         else visible_BST[:, :, None])
+    logits_BKGST = jnp.where(allowed_BK1ST, logits_BKGST, NEG_INF)
     m = jnp.max(logits_BKGST, axis=-1, keepdims=True)
     p = jnp.exp(logits_BKGST - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)

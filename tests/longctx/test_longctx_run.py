@@ -65,6 +65,29 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     json.dumps(to_json(tab))
 
 
+def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
+    """``prefill: compressed``: each policy ranks only the context, the question evicts nothing."""
+    from kvjax.eviction.prompt_compressed import prompt_compressed
+
+    cfg = LongCtxConfig(tasks=["niah_noise"], lengths=[256], problems=2, compressions=[0.75],
+                        policies=["snapkv", "knorm"], sinks=2, window=8, max_new=6, batch_size=2,
+                        prefill="compressed", out_dir=str(tmp_path / "out"))
+    tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
+    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    assert {r["prefill"] for r in recs if r["policy"] != "dense"} == {"compressed"}
+    p = Generator(tok).problem("niah_noise", 256, 1)
+    ctx, q = prompt_ids(tok, p)
+    stops = list(stop_token_ids(model, tok))
+    snap = prompt_compressed(kvjax.make_policy("snapkv", budget(cfg, 256, 0.75)), 0.75, [len(ctx)])
+    out = np.asarray(kvjax.generate(model, [ctx + q], 6, policy=snap, eos_token_id=stops))[0, len(ctx + q):].tolist()
+    cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+    r = next(r for r in recs if r["index"] == 1 and r["policy"] == "snapkv")
+    assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
+    assert "prefill compression" in markdown(tab, cfg, ["dense", "snapkv", "knorm"])
+    with pytest.raises(ValueError, match="prefill must be 'bounded', 'auto' or 'compressed'"):
+        LongCtxConfig(prefill="dense")
+
+
 def test_oracle_priorities_of_a_padded_row_equal_the_unpadded_row(model):
     rs = np.random.RandomState(0)
     a = rs.randint(0, 49152, (1, 40)).astype(np.int32)

@@ -1,0 +1,132 @@
+"""Prefill compression (kvpress's setting): dense prefill, the context's cache compressed
+once, then decoding adds every new token without eviction.
+
+Any policy of the one mechanism ranks the context: static-priority policies by their
+priorities ``p_t`` (scorers, K-norm, random, oracles), attention-statistic policies by their
+prefill statistic (SnapKV's pooled observation-window attention, H2O's accumulated attention,
+TOVA's last-query attention), computed over the context alone (causal attention: a context
+query never sees the question). Per row ``b`` and KV head, the context of ``n_b`` tokens keeps
+
+    sinks:  t < s
+    window: n_b - w <= t < n_b           (the context's last ``w`` tokens, as kvjax's keep rule)
+    top:    the ``c_b - s - w`` other context tokens of highest priority (ties: the later token)
+
+with ``c_b = round((1 - ratio) * n_b)`` (kvpress keeps ``int(n_b (1 - ratio))``; the window
+counts toward it, as in kvpress's SnapKV). The question (tokens ``t >= n_b`` of the prompt) and
+every generated token attend the kept context plus all tokens after it, and are never evicted.
+StreamingLLM ranks nothing (``s`` sinks + the ``c_b - s`` most recent context tokens).
+
+The cache is the dense one with a per-head visibility mask ``[B, K, T]``: the attention
+outputs equal those of a cache that dropped the evicted entries (as kvpress does; RoPE is
+applied before caching, so kept keys keep their positions), but the memory is not saved —
+this wrapper measures quality; the bounded cache is the memory-saving mechanism.
+LKV per-head budgets are not used here (every head keeps ``c_b``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import DenseCache, dense_cache_attention
+from kvjax.eviction.attention import causal_probs
+from kvjax.eviction.bounded import BoundedPolicy
+
+
+@struct.dataclass
+class CompressedCache:
+    dense: DenseCache
+    keep: tuple[jax.Array, ...]   # per layer bool [B, K, T]: slot visible to later queries
+    aux: tuple = ()               # the ranking policy's per-layer state (the mLSTM's memory)
+
+
+def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax.Array:
+    """``bool [B, K, S]``: the context tokens kept by the rule of the module docstring
+    (false for ``t >= n_b``). ``prio`` may hold ``-inf``; ties go to the later token."""
+    S = prio_BKS.shape[-1]
+    t = jnp.arange(S)[None, None, :]
+    n = context_B[:, None, None]
+    protected = (t < n) & ((t < sinks) | (t >= n - window))
+    eligible = (t < n) & ~protected
+    score = jnp.where(eligible, prio_BKS, -jnp.inf)[..., ::-1]          # reversed: ties -> later tokens first
+    order = jnp.argsort(-score, axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1)[..., ::-1]                         # 0 = best eligible token
+    n_top = jnp.maximum(keep_B - sinks - window, 0)[:, None, None]
+    return protected | (eligible & (rank < n_top))
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptCompressed:
+    """``ranker`` (any bounded policy; its configured ``sinks``/``window`` are used, its
+    ``topk`` is not: the ratio sets the budget) compresses each
+    row's first ``params["context"][b]`` prompt tokens to ``round((1 - ratio) n_b)``.
+
+    Build with :func:`prompt_compressed`, which puts the context lengths into ``params``.
+    """
+
+    ranker: BoundedPolicy
+    ratio: float
+    params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    static = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.ranker.name}@prefill-compressed"
+
+    def check_model(self, cfg) -> None:
+        self.ranker.check_model(cfg)
+
+    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> CompressedCache:
+        keep = tuple(jnp.ones((batch, cfg.num_kv_heads, max_len), bool) for _ in range(cfg.num_layers))
+        return CompressedCache(DenseCache.init(cfg, batch, max_len, dtype), keep,
+                               self.ranker.init_aux(params["ranker"], cfg, batch))
+
+    def _priority(self, params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context_B, aux):
+        r = self.ranker
+        if r.static:
+            return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context_B, aux)[0]
+        return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context_B)
+
+    def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
+        B, S = q_BSHD.shape[:2]
+        keep = cache.keep[layer]
+        if S > 1:       # prefill: dense over the context, compress it, the question sees what is kept
+            ev = self.ranker.config
+            context = params["context"]
+            prio = self._priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context,
+                                  cache.aux[layer] if cache.aux else None)
+            kept = keep_context(prio, context, jnp.round((1.0 - self.ratio) * context).astype(jnp.int32),
+                                sinks=ev.sinks, window=ev.window)
+            T = keep.shape[-1]
+            t = jnp.arange(T)[None, None, :]
+            keep = (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - S)))
+            in_context = positions_BS < context[:, None]                                  # [B, S]
+            visible = keep[:, :, None, :] | in_context[:, None, :, None]
+        else:
+            visible = keep[:, :, None, :]
+        out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache.dense,
+                                           visible_BKST=visible)
+        keeps = cache.keep[:layer] + (keep,) + cache.keep[layer + 1:]
+        return out, cache.replace(dense=dense, keep=keeps)
+
+
+def prompt_compressed(ranker: BoundedPolicy, ratio: float, context_lengths_B) -> PromptCompressed:
+    """``ranker`` compressing each row's first ``context_lengths_B[b]`` prompt tokens to
+    ``round((1 - ratio) * n_b)`` once, after a dense prefill (see the module docstring)."""
+    import numpy as np
+
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"ratio must be in [0, 1), got {ratio}")
+    n = np.asarray(context_lengths_B, np.int32).reshape(-1)
+    if n.size == 0 or n.min() < 1:
+        raise ValueError("context_lengths_B: every row needs a context of at least one token")
+    ev = ranker.config
+    small = n[np.round((1.0 - ratio) * n) < ev.sinks + ev.window]
+    if small.size:
+        raise ValueError(f"ratio {ratio} of a {int(small[0])}-token context keeps fewer tokens than "
+                         f"sinks + window = {ev.sinks + ev.window}")
+    return PromptCompressed(ranker, float(ratio), {"ranker": ranker.params, "context": jnp.asarray(n)})

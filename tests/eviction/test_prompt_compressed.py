@@ -1,0 +1,87 @@
+"""Prefill compression (kvpress's setting) on the one mechanism: the kept set, the
+full-budget identity with dense decoding, and parity with ``transformers`` under a 4-D mask."""
+
+import numpy as np
+import pytest
+import torch
+
+import kvjax
+from kvjax.eviction.prompt_compressed import keep_context, prompt_compressed
+
+
+def reference_keep(prio_S, n, keep, sinks, window):
+    """Brute force for one row and head: sinks, the context's last window, then the best
+    others (ties to the later token), as a set of positions."""
+    prot = {t for t in range(n) if t < sinks or t >= n - window}
+    others = sorted((t for t in range(n) if t not in prot), key=lambda t: (-prio_S[t], -t))
+    return prot | set(others[:max(keep - sinks - window, 0)])
+
+
+def test_keep_context_is_sinks_window_and_the_best_others():
+    rs = np.random.RandomState(0)
+    B, K, S = 3, 2, 40
+    prio = rs.randint(0, 6, (B, K, S)).astype(np.float32)      # many ties
+    prio[0, 1, 10] = -np.inf
+    context = np.array([40, 23, 17], np.int32)
+    keep = np.array([20, 12, 9], np.int32)
+    got = np.asarray(keep_context(prio, context, keep, sinks=2, window=3))
+    for b in range(B):
+        for k in range(K):
+            want = reference_keep(prio[b, k], context[b], keep[b], 2, 3)
+            assert set(np.flatnonzero(got[b, k])) == want, (b, k)
+            assert got[b, k].sum() == keep[b]
+
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory):
+    from hf_models import make_hf_model
+
+    ref = make_hf_model("qwen3-mqa-tied", init_std=0.25)
+    folder = tmp_path_factory.mktemp("pc")
+    ref.save_pretrained(folder)
+    return kvjax.load_hf(folder), ref
+
+
+def test_ratio_zero_generates_the_dense_tokens(mqa):
+    model, _ = mqa
+    rs = np.random.RandomState(1)
+    rows = [rs.randint(3, 97, n).tolist() for n in (30, 22)]
+    dense = np.asarray(kvjax.generate(model, rows, 12, eos_token_id=[]))
+    for name in ("snapkv", "knorm", "streaming_llm", "h2o", "tova"):
+        pol = prompt_compressed(kvjax.make_policy(name, kvjax.EvictionConfig(2, 4, 4)), 0.0, [25, 18])
+        np.testing.assert_array_equal(np.asarray(kvjax.generate(model, rows, 12, policy=pol, eos_token_id=[])),
+                                      dense, err_msg=name)
+
+
+def test_question_and_answer_see_only_the_kept_context_like_transformers_with_a_mask(mqa):
+    """Oracle ranking (one priority table for every layer, so one kept set): kvjax's greedy
+    tokens equal the argmax of ``transformers`` teacher-forced under the 4-D mask
+    'context queries see everything before them, later queries see the kept context + all after it'."""
+    model, ref = mqa
+    rs = np.random.RandomState(2)
+    n_ctx, n_q, new = 48, 6, 10
+    prompt = rs.randint(3, 97, n_ctx + n_q)
+    ev = kvjax.EvictionConfig(sinks=2, window=4, topk=1)
+    table = rs.randn(1, 1, 1, 128).astype(np.float32)
+    oracle = kvjax.make_policy("oracle", ev, params=np.repeat(table, model.config.num_layers, 0))
+    pol = prompt_compressed(oracle, 0.75, [n_ctx])
+    out = np.asarray(kvjax.generate(model, prompt[None], new, policy=pol, eos_token_id=[]))[0]
+    dense = np.asarray(kvjax.generate(model, prompt[None], new, eos_token_id=[]))[0]
+    assert (out != dense).any()                                     # the compression changed something
+    kept = np.asarray(keep_context(table[0], np.array([n_ctx]), np.array([12]), sinks=2, window=4))[0, 0]
+    T = len(out) - 1
+    q, t = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = (t <= q) & ((q < n_ctx) | (t >= n_ctx) | np.pad(kept[:n_ctx], (0, T - n_ctx))[None, :])
+    mask = torch.tensor(np.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None], dtype=torch.float32)
+    ref.config._attn_implementation = "eager"
+    with torch.no_grad():
+        logits = ref(torch.tensor(out[None, :-1]), attention_mask=mask).logits[0].numpy()
+    np.testing.assert_array_equal(logits[n_ctx + n_q - 1:].argmax(-1), out[n_ctx + n_q:])
+
+
+def test_a_ratio_that_leaves_less_than_sinks_and_window_is_refused():
+    pol = kvjax.make_policy("snapkv", kvjax.EvictionConfig(4, 32, 8))
+    with pytest.raises(ValueError, match="keeps fewer tokens than sinks \\+ window = 36"):
+        prompt_compressed(pol, 0.9, [200])
+    with pytest.raises(ValueError, match="ratio must be in"):
+        prompt_compressed(pol, 1.0, [200])
