@@ -60,6 +60,8 @@ class LongCtxConfig:
     learned: dict[str, str] = field(default_factory=dict)   # label -> exported scorer folder
     sinks: int = 4
     window: int = 32
+    obs_window: int = 16                    # SnapKV's observation window (kvpress's window_size: = window)
+    pool: int = 7                           # SnapKV's pooling kernel
     question_aware: bool = False            # also state the question before the context
     prefill: Literal["bounded", "auto", "compressed"] = "bounded"   # auto: SnapKV/H2O/TOVA prefill densely;
     #                                                 compressed: kvpress's setting (dense prefill, context compressed once)
@@ -90,7 +92,10 @@ class LongCtxConfig:
 def budget(cfg: LongCtxConfig, length: int, compression: float):
     from kvjax.evaluation.budgets import fixed_window_budget
 
-    return fixed_window_budget(length, compression, sinks=cfg.sinks, window=cfg.window)
+    import dataclasses
+
+    ev = fixed_window_budget(length, compression, sinks=cfg.sinks, window=cfg.window)
+    return dataclasses.replace(ev, obs_window=cfg.obs_window, pool=cfg.pool)
 
 
 
@@ -131,7 +136,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     gen = Generator(tok, question_aware=cfg.question_aware)
     run = {"model": config_hash(model.config), "metric": "longctx-v1", "prefill": cfg.prefill,
            "problems": gen.fingerprint(),
-           "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "question_aware": cfg.question_aware,
+           "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "obs_window": cfg.obs_window,
+           "pool": cfg.pool, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
     try:
