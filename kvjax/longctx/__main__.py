@@ -1,7 +1,8 @@
 """``python -m kvjax.longctx --config configs/longctx-smollm2.yaml [--set key=value ...]``
 
-Long-context quality (RULER-style tasks, bounded throughout) of every policy on the real
-model; writes ``out_dir/table.md`` and ``out_dir/summary.json`` and prints the table.
+Long-context quality (RULER-style tasks, in the configured compression setting) of every policy on the real
+model; writes ``out_dir/table.md``, ``out_dir/summary.json`` and two figures (accuracy vs
+compression per task, the needle heatmap) and prints the table.
 ``--export-problems FILE`` writes the config's problems as token ids instead (the input of
 ``bench/kvpress_compare.py``) and evaluates nothing.
 """
@@ -38,6 +39,12 @@ def main(argv=None) -> int:
     (out / "table.md").write_text(md + "\n")
     (out / "summary.json").write_text(json.dumps(to_json(tab), indent=1))
     print(md)
+    from kvjax.longctx.plots import write_figures
+    from kvjax.longctx.run import SETTING
+
+    for path in write_figures(tab["records"], tab["average"], list(cfg.learned), cfg.compressions, out,
+                              SETTING[cfg.prefill].split(" (")[0]):
+        print(f"wrote {path}")
     return 0
 
 

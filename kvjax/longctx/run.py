@@ -109,7 +109,8 @@ def _answers(new_BN: np.ndarray, stops) -> list[list[int]]:
 
 
 def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: bool = True) -> dict:
-    """Answer every (length, task, problem, compression, policy) not yet stored; returns :func:`table`."""
+    """Answer every (length, task, problem, compression, policy) not yet stored; returns :func:`table`
+    plus ``"records"`` (this config's per-problem records)."""
     import transformers
     from tqdm import tqdm
 
@@ -218,7 +219,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                   for length, task, idx in work for i in idx for name in names
                   for comp in ([0.0] if name == "dense" else cfg.compressions)}
         # this config's records only (a folder may also hold other compressions or more problems)
-        return table([r for k, r in store.records.items() if k in wanted], names, cfg)
+        mine = [r for k, r in store.records.items() if k in wanted]
+        return {**table(mine, names, cfg), "records": mine}
     finally:
         store.close()
 

@@ -141,3 +141,21 @@ def test_exported_problems_are_the_runners_token_ids(tok, tmp_path):
     r = rows[-1]
     assert (r["id"], r["context_ids"], r["question_ids"], r["answers"]) == ("512/vt/2", ctx, q, list(p.answers))
     assert not (tmp_path / "p.jsonl.tmp").exists()
+
+
+def test_figures_pick_dense_the_best_heuristic_and_the_best_learned(tmp_path):
+    from kvjax.longctx.plots import best_policies, write_figures
+
+    rs = np.random.RandomState(0)
+    quality = {"dense": 1.0, "snapkv": 0.6, "tova": 0.7, "kvpop_a": 0.5, "kvpop_b": 0.8, "oracle": 0.95}
+    recs = [{"task": task, "length": n, "depth": (0.05, 0.25, 0.5, 0.75, 0.95)[i % 5] if task != "fwe" else None,
+             "policy": p, "compression": 0.0 if p == "dense" else c, "index": i,
+             "score": float(rs.rand() < q)}
+            for task in ("niah_noise", "fwe") for n in (1024, 2048) for i in range(10)
+            for p, q in quality.items() for c in ([0.0] if p == "dense" else [0.75, 0.88])]
+    cfg = LongCtxConfig(tasks=["niah_noise", "fwe"], lengths=[1024, 2048], compressions=[0.75, 0.88])
+    tab = table(recs, list(quality), cfg)
+    assert best_policies(tab["average"], ["kvpop_a", "kvpop_b"], 0.75) == ["dense", "tova", "kvpop_b"]
+    paths = write_figures(recs, tab["average"], ["kvpop_a", "kvpop_b"], [0.75, 0.88], tmp_path, "bounded")
+    assert [p.name for p in paths] == ["accuracy_vs_compression.png", "needle_heatmap.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
