@@ -1,6 +1,6 @@
 """Long-context quality of every policy on RULER-style problems.
 
-For each (length, task), problems are generated (:mod:`kvjax.longctx.tasks`), batched, and
+For each length, problems of every task are generated (:mod:`kvjax.longctx.tasks`), batched, and
 answered greedily (``max_new`` tokens) by the dense model and by every policy at every
 compression; an answer is scored by RULER's string match. The per-head budget is
 ``sinks + window + topk = round((1 - c) * length)``. With ``prefill: bounded`` (default)
@@ -142,16 +142,16 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
     try:
-        work = []
+        work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
         for length in cfg.lengths:
             n = cfg.problems_at.get(length, cfg.problems)
-            for task in cfg.tasks:
-                for j in range(0, n, cfg.batch_size):
-                    work.append((length, task, list(range(j, min(j + cfg.batch_size, n)))))
+            items = [(task, i) for task in cfg.tasks for i in range(n)]
+            for j in range(0, len(items), cfg.batch_size):
+                work.append((length, items[j:j + cfg.batch_size]))
         per_batch = 1 + (len(names) - 1) * len(cfg.compressions)
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
-        for length, task, idx in work:
-            probs = [gen.problem(task, length, i, cfg.seed) for i in idx]
+        for length, items in work:
+            probs = [gen.problem(task, length, i, cfg.seed) for task, i in items]
             parts = [prompt_ids(tok, p, question_aware=cfg.question_aware) for p in probs]
             ids = [c + q for c, q in parts]
             context = [len(c) for c, _ in parts]
@@ -165,7 +165,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             def answer(make_policy_, name, comp):
                 """``make_policy_()`` builds the policy only when some record is missing."""
                 nonlocal dense_new
-                keys = [record_key(length, comp, name, f"{task}/{p.index}") for p in probs]
+                keys = [record_key(length, comp, name, f"{p.task}/{p.index}") for p in probs]
                 bar.update(1)
                 if store.has(keys):
                     return
@@ -182,7 +182,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     dense_new = out
                 prefill = ("dense" if policy is None else "compressed" if cfg.prefill == "compressed"
                            else "bounded" if policy.static or stepwise else "dense")
-                store.add([{"key": k, "task": task, "index": p.index, "length": length, "tokens": len(r),
+                store.add([{"key": k, "task": p.task, "index": p.index, "length": length, "tokens": len(r),
                             "depth": p.depth, "compression": comp, "policy": name, "prefill": prefill,
                             "score": score(p, tok.decode(a, skip_special_tokens=True)),
                             "answer": tok.decode(a, skip_special_tokens=True)[:160], "seconds": round(sec, 2)}
@@ -216,7 +216,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     answer(make, name, comp)
         bar.close()
         wanted = {record_key(length, 0.0 if name == "dense" else comp, name, f"{task}/{i}")
-                  for length, task, idx in work for i in idx for name in names
+                  for length, items in work for task, i in items for name in names
                   for comp in ([0.0] if name == "dense" else cfg.compressions)}
         # this config's records only (a folder may also hold other compressions or more problems)
         mine = [r for k, r in store.records.items() if k in wanted]

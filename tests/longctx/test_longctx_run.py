@@ -35,7 +35,7 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
     recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
     assert len(recs) == 2 * 3 * 4                        # tasks x problems x (dense, streaming, oracle, tova)
-    # problem qa/2 sat alone in its batch: rerun it directly
+    # problem qa/2 (batched with qa/1: batches mix tasks, 6 problems in 3 batches of 2): rerun it alone
     p = Generator(tok).problem("qa", 256, 2)
     ids = sum(prompt_ids(tok, p), [])
     stops = list(stop_token_ids(model, tok))
