@@ -35,6 +35,7 @@ from flax import struct
 from kvjax.cache import DenseCache, dense_cache_attention
 from kvjax.eviction.attention import causal_probs
 from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.fenwick import token_ranks
 
 
 @struct.dataclass
@@ -52,9 +53,7 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     n = context_B[:, None, None]
     protected = (t < n) & ((t < sinks) | (t >= n - window))
     eligible = (t < n) & ~protected
-    score = jnp.where(eligible, prio_BKS, -jnp.inf)[..., ::-1]          # reversed: ties -> later tokens first
-    order = jnp.argsort(-score, axis=-1, stable=True)
-    rank = jnp.argsort(order, axis=-1)[..., ::-1]                         # 0 = best eligible token
+    rank = token_ranks(jnp.where(eligible, prio_BKS, jnp.nan))         # 0 = best eligible token; NaN last
     n_top = jnp.maximum(keep_B - sinks - window, 0)[:, None, None]
     return protected | (eligible & (rank < n_top))
 
@@ -92,7 +91,7 @@ class PromptCompressed:
         return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context_B)
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
-        B, S = q_BSHD.shape[:2]
+        S = q_BSHD.shape[1]
         keep = cache.keep[layer]
         if S > 1:       # prefill: dense over the context, compress it, the question sees what is kept
             ev = self.ranker.config

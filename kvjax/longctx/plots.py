@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.longctx.run import _mean_se
 from kvjax.longctx.tasks import DEPTHS, TASKS
 
 
@@ -18,11 +19,6 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def _mean_se(v) -> tuple[float, float]:
-    v = np.asarray(v, float)
-    return float(v.mean()), (float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0)
 
 
 def accuracy_vs_compression(records: list[dict], path, title: str = "") -> Path:

@@ -90,9 +90,9 @@ class LongCtxConfig:
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
-    from kvjax.evaluation.budgets import fixed_window_budget
-
     import dataclasses
+
+    from kvjax.evaluation.budgets import fixed_window_budget
 
     ev = fixed_window_budget(length, compression, sinks=cfg.sinks, window=cfg.window)
     return dataclasses.replace(ev, obs_window=cfg.obs_window, pool=cfg.pool)
