@@ -154,3 +154,24 @@ def test_a_failed_download_is_a_clear_error_and_leaves_nothing(tmp_path):
         ensure_model(tmp_path / "m", missing, verbose=False)
     assert not (tmp_path / "m").exists()
     assert [p.name for p in tmp_path.iterdir()] == [".m.lock"]
+
+
+def test_every_shipped_scorer_loads_against_the_real_model(real):
+    """``assets/smollm2-scorers/*``: each export loads with the converted model (config hash and
+    shapes checked) as the policy its ``scorer_config.json`` names."""
+    import os
+
+    from paths import ROOT
+
+    shipped = os.path.join(ROOT, "assets", "smollm2-scorers")
+    names = sorted(os.listdir(shipped))
+    assert {"kvpop-mlp-mean", "kvpop-mlstm-mean", "lkv", "lkv-kvpop-mlstm"} <= set(names)
+    kinds = {"mlp": "kvpop_mlp", "mlstm": "kvpop_mlstm", "lkv": "lkv"}
+    for name in names:
+        meta = json.loads(open(os.path.join(shipped, name, "scorer_config.json")).read())
+        policy = kvjax.load_scorers(os.path.join(shipped, name), model=real[1])
+        want = "lkv_kvpop_mlstm" if meta.get("lkv_budgets") and meta["scorer"] == "mlstm" else kinds[meta["scorer"]]
+        assert policy.name == want, name
+        if meta.get("lkv_budgets"):
+            budgets = np.asarray(policy.params["budgets"])
+            assert budgets.shape == (30, 3) and budgets.sum() <= 30 * 3 * policy.config.topk, name
