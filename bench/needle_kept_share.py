@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
     import kvjax
     from kvjax.evaluation.budgets import fixed_window_budget, rebudget
-    from kvjax.evaluation.retention import kept_positions
+    from kvjax.evaluation.retention import kept_positions, positions_to_mask
     from kvjax.eviction.policies import make_policy
     from kvjax.longctx.tasks import Generator, prompt_ids
     from kvjax.real_model import ensure_model
@@ -78,10 +78,8 @@ def main(argv=None) -> int:
     print("share of (layer, KV head) pairs holding each token of the value, in order:")
     for name, pol in policies.items():
         every, _ = kept_positions(model, tokens, lengths, pol)           # [L, B, K, slots]
-        shares = []
-        for b, (s, e) in enumerate(spans):
-            held = np.stack([(every[:, b] == t).any(-1) for t in range(s, e)])   # [value tokens, L, K]
-            shares.append(held.mean((1, 2)))
+        held = positions_to_mask(every, tokens.shape[1])                  # [L, B, K, S]
+        shares = [held[:, b, :, s:e].mean((0, 1)) for b, (s, e) in enumerate(spans)]
         n = max(map(len, shares))
         by_token = [np.mean([sh[j] for sh in shares if j < len(sh)]) for j in range(n)]
         print(f"  {name:<16}" + " ".join(f"{x:.2f}" for x in by_token), flush=True)

@@ -60,7 +60,8 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     protected = (t < n) & ((t < sinks) | (t >= n - window))
     eligible = (t < n) & ~protected
     rank = token_ranks(jnp.where(eligible, prio_BKS, jnp.nan))         # 0 = best eligible token; NaN last
-    keep_BK = jnp.broadcast_to(jnp.asarray(keep_B).reshape(keep_B.shape[0], -1), prio_BKS.shape[:2])
+    keep = jnp.asarray(keep_B)
+    keep_BK = keep[:, None] if keep.ndim == 1 else keep
     n_top = jnp.maximum(keep_BK - sinks - window, 0)[:, :, None]
     return protected | (eligible & (rank < n_top))
 
