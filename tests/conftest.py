@@ -1,5 +1,8 @@
 import os
+import resource
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -43,3 +46,37 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.fspath), here).replace(os.sep, "/")
         if rel in INTEGRATION:
             item.add_marker(pytest.mark.integration)
+
+
+def pytest_configure(config):
+    """One persistent XLA compilation cache per test run, shared by the xdist workers and the
+    subprocesses they start (the same small models compile the same programs in many tests).
+    Reads and writes hold the cache's file lock (a size cap turns it on), so concurrent
+    processes never see a half-written entry. A run never reuses an earlier run's cache."""
+    if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    config._kvjax_xla_cache = tempfile.mkdtemp(prefix="kvjax-test-xla-cache-")
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=config._kvjax_xla_cache,
+                      JAX_COMPILATION_CACHE_MAX_SIZE=str(8 << 30),
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_kvjax_xla_cache", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _log_peak_memory(request):
+    """``KVJAX_TEST_MEMLOG=file``: append each test whose run raised its process's peak RSS."""
+    path = os.environ.get("KVJAX_TEST_MEMLOG")
+    if not path:
+        yield
+        return
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    yield
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if after > before:
+        with open(path, "a") as f:
+            f.write(f"{after / 2**20:.2f} GiB peak (+{(after - before) / 2**20:.2f}) pid {os.getpid()} {request.node.nodeid}\n")
