@@ -109,9 +109,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvjax.demo", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/demo", help="folder for everything the demo writes (default runs/demo)")
     ap.add_argument("--problems", type=int, default=None,
-                    help="problems per long-context task (default 4); testbed: held-out problems (default 64)")
-    ap.add_argument("--traces", type=int, default=10,
-                    help="held-out traces for trace fidelity (default 10; one whose prompt fills the crop is skipped)")
+                    help="problems per long-context task (default 3); testbed: held-out problems (default 64)")
+    ap.add_argument("--traces", type=int, default=8,
+                    help="held-out traces for trace fidelity (default 8; one whose prompt fills the crop is skipped)")
     ap.add_argument("--scorer", default=BEST_SCORER,
                     help=f"shipped learned policy under {SCORERS} (default {BEST_SCORER}; e.g. kvpop-mlp-mean)")
     ap.add_argument("--testbed", action="store_true", help="the synthetic-testbed demo instead")
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1024,4096", help="testbed: decode-benchmark lengths (default 1024,4096)")
     args = ap.parse_args(argv)
     if not args.testbed:
-        args.problems = args.problems or 4
+        args.problems = args.problems or 3
         return _real_model(args)
     args.problems = args.problems or 64
     return _testbed(args)
