@@ -241,3 +241,11 @@ def preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"preset: unknown model {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+
+
+def config_hash(model_config: ModelConfig) -> str:
+    """SHA-256 of a model's HF config fields (order-independent)."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(model_config.to_hf_config(), sort_keys=True).encode()).hexdigest()

@@ -11,7 +11,7 @@ Tensor naming (all float32, stacked over layers ``L`` and KV heads ``K``; ``X = 
 ``x = [k; v]`` (post-RoPE key, value) of one token and head. MLP: ``r = w2 . act(x W1 + b1) + b2``.
 mLSTM: see :mod:`kvjax.scorers.mlstm` (keys scaled by ``d^-0.5``; readout at ``t + window``).
 LKV-T: ``u = w2 . silu(x W1 + b1)``. KVpop priority ``p_t = r_t + softplus(decay_raw) * t``;
-LKV's is ``u_t``. ``scorer_config.json`` records the type and sizes, ``sinks``, ``window``,
+LKV's is ``u_t``. ``scorer_config.json`` records the policy's registered name, the scorer type and sizes, ``sinks``, ``window``,
 ``topk``, ``k_max``, the decays ``lambda [L][K]`` (``null`` for LKV), LKV's per-head budgets
 ``b [L][K]`` (``lkv``, and ``mlstm`` scorers under LKV budgets; else ``null``), and the base
 model's name and the SHA-256 of its ``config.json`` fields.
@@ -20,7 +20,6 @@ model's name and the SHA-256 of its ``config.json`` fields.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -33,17 +32,13 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from kvjax.eviction.config import EvictionConfig
-from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM, from_scorer
-from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM
-from kvjax.lkv import LKVTokenScorer
-from kvjax.scorers import MLPScorer, MLSTMScorer
+from kvjax.eviction.learned import from_scorer
+from kvjax.eviction.policies import REGISTRY
 
 FORMAT_VERSION = 1
 
 
-def config_hash(model_config) -> str:
-    """SHA-256 of a model's HF config fields (order-independent)."""
-    return hashlib.sha256(json.dumps(model_config.to_hf_config(), sort_keys=True).encode()).hexdigest()
+from kvjax.config import config_hash  # noqa: E402,F401  (re-exported: kvjax.export.config_hash)
 
 
 def _policy_from_run(run_dir: Path):
@@ -97,26 +92,18 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
         base_model_name = base_model_name or name
     else:
         policy = run_or_policy
-    if not isinstance(policy, (KVpopMLP, KVpopMLSTM, LKV)):
+    if not hasattr(policy, "export_scorer"):
         raise TypeError(f"export_scorers: expected a learned policy or a run folder, got {type(policy).__name__}")
-    if isinstance(policy, LKV):
-        scorer, kind = nnx.merge(policy.tokens_def, policy.params["tokens"]), "lkv"
-    else:
-        scorer = policy.scorer(policy.params)
-        kind = "mlp" if isinstance(scorer, MLPScorer) else "mlstm"
+    scorer, kind = policy.export_scorer(), policy.export_kind
     flat = {".".join(str(p) for p in path): np.asarray(jax.device_get(v.get_value()), np.float32)
             for path, v in nnx.to_flat_state(nnx.state(scorer))}
     tensors = {(k if k == "decay_raw" else f"{kind}.{k}"): v for k, v in flat.items()}
     L, K, X = tensors[f"{kind}.{'wq' if kind == 'mlstm' else 'w1'}"].shape[:3]
-    sizes = ({"hidden": int(tensors["mlp.w1"].shape[-1]), "activation": scorer.activation} if kind == "mlp" else
-             {"hidden": int(tensors["lkv.w1"].shape[-1])} if kind == "lkv" else
-             {"qk_dim": int(scorer.qk_dim), "v_dim": int(scorer.v_dim), "chunk": policy.chunk,
-              "readout_norm": scorer.readout_norm})
-    budgets = policy.params["budgets"] if isinstance(policy, (LKV, LKVBudgetsKVpopMLSTM)) else None
+    budgets = policy.export_budgets()
     ev = policy.config
     meta = {
-        "format_version": FORMAT_VERSION, "scorer": kind, "num_layers": int(L), "kv_heads": int(K),
-        "head_dim": int(X // 2), **sizes, "sinks": ev.sinks, "window": ev.window, "topk": ev.topk,
+        "format_version": FORMAT_VERSION, "policy": policy.name, "scorer": kind, "num_layers": int(L), "kv_heads": int(K),
+        "head_dim": int(X // 2), **policy.export_sizes(), "sinks": ev.sinks, "window": ev.window, "topk": ev.topk,
         "k_max": ev.k_max,
         "decays": None if kind == "lkv" else np.log1p(np.exp(tensors["decay_raw"])).tolist(),
         "lkv_budgets": None if budgets is None else np.asarray(budgets).astype(int).tolist(),
@@ -168,17 +155,14 @@ def _load_scorers(directory):
         raise ValueError(f"{d / 'scorers.safetensors'}: tensor {bad[0]!r} holds NaN or infinite values")
     L, K, D = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
     kind = meta["scorer"]
-    if kind == "mlp":
-        make = lambda: MLPScorer(L, K, D, meta["hidden"], activation=meta["activation"], rngs=nnx.Rngs(0))  # noqa: E731
-    elif kind == "mlstm":
-        # exports written before readout_norm existed read the memory without the norm
-        make = lambda: MLSTMScorer(L, K, D, meta["qk_dim"], v_dim=meta["v_dim"],  # noqa: E731
-                                   readout_norm=meta.get("readout_norm", False), rngs=nnx.Rngs(0))
-    elif kind == "lkv":
-        make = lambda: LKVTokenScorer(L, K, D, meta["hidden"], rngs=nnx.Rngs(0))  # noqa: E731
-    else:
-        raise ValueError(f"{d}: unknown scorer type {kind!r}")
-    scorer = nnx.eval_shape(make)
+    # exports before the "policy" field: the scorer type (and LKV budgets on an mLSTM) name it
+    name = meta.get("policy") or {"mlp": "kvpop_mlp", "lkv": "lkv",
+                                  "mlstm": "kvpop_mlstm" if meta.get("lkv_budgets") is None else "lkv_kvpop_mlstm"
+                                  }.get(kind)
+    cls = REGISTRY.get(name)
+    if cls is None or getattr(cls, "export_kind", None) != kind:
+        raise ValueError(f"{d}: unknown scorer type {kind!r}" + (f" for policy {name!r}" if name else ""))
+    scorer = nnx.eval_shape(lambda: cls.make_scorer(meta))
     graphdef, state = nnx.split(scorer)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
@@ -198,15 +182,7 @@ def _load_scorers(directory):
         if budgets.shape != (L, K):
             raise ValueError(f"{d}: lkv_budgets has shape {budgets.shape}, expected {(L, K)}")
     fits = (int(L), int(K), int(D), meta.get("base_config_sha256"))
-    if kind == "lkv":
-        tdef, tstate = nnx.split(scorer)
-        return LKV(ev, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tstate)}, tokens_def=tdef, fits=fits)
-    kw = {"chunk": meta["chunk"]} if kind == "mlstm" else {}
-    policy = from_scorer(scorer, ev, **kw)
-    if budgets is not None:
-        policy = LKVBudgetsKVpopMLSTM(ev, params={"budgets": budgets, "scorer": policy.params},
-                                      scorer_def=policy.scorer_def, **kw)
-    return dataclasses.replace(policy, fits=fits)
+    return cls.from_export(scorer, ev, meta, budgets, fits)
 
 
 def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
@@ -214,16 +190,16 @@ def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
     ``lkv`` policy with the token scorer of an exported ``kvpop_mlstm`` one."""
 
     lkv, kvpop = load_scorers(lkv_dir), load_scorers(kvpop_mlstm_dir)
-    if not isinstance(lkv, LKV):
+    if lkv.name != "lkv":
         raise ValueError(f"{lkv_dir}: expected exported LKV scorers (scorer 'lkv'), got {lkv.name!r}")
-    if type(kvpop) is not KVpopMLSTM:
+    if kvpop.name != "kvpop_mlstm":
         raise ValueError(f"{kvpop_mlstm_dir}: expected exported KVpop mLSTM scorers, got {kvpop.name!r}")
     if tuple(lkv.params["budgets"].shape) != tuple(kvpop.scorer(kvpop.params).wi[...].shape[:2]):
         raise ValueError(f"{lkv_dir} and {kvpop_mlstm_dir} were trained for different models (budget shape "
                          f"{tuple(lkv.params['budgets'].shape)})")
     ev = dataclasses.replace(kvpop.config, sinks=lkv.config.sinks, window=lkv.config.window, topk=lkv.config.topk,
                              k_max=lkv.config.k_max)
-    combo = LKVBudgetsKVpopMLSTM(ev, params={"budgets": lkv.params["budgets"], "scorer": kvpop.params},
+    combo = REGISTRY["lkv_kvpop_mlstm"](ev, params={"budgets": lkv.params["budgets"], "scorer": kvpop.params},
                                  scorer_def=kvpop.scorer_def, chunk=kvpop.chunk)
     meta = json.loads((Path(kvpop_mlstm_dir) / "scorer_config.json").read_text())
     return export_scorers(combo, out_dir, base_model_name=meta.get("base_model"))

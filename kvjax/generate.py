@@ -7,16 +7,15 @@ left-padded to the longest prompt, then the new tokens, and ``pad`` after a row'
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import DenseCache, dense_cache_attention
+from kvjax.cache import DenseKV
 from kvjax.models.decoder import Decoder
 from kvjax.sampling import bucket, check_sampling, sample_logits
 
@@ -40,21 +39,6 @@ def forward(model: Decoder, tokens) -> jax.Array:
     _check_vocab(np.asarray(tokens), model.config.vocab_size)
     graphdef, params = nnx.split(model)
     return _forward(graphdef, params, tokens.astype(jnp.int32))
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseKV:
-    """The dense cache as a cache policy: ``init`` a state, attend through ``backend``."""
-
-    name: str = "dense"
-
-    params: Any = None
-
-    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths) -> Any:
-        return DenseCache.init(cfg, batch, max_len, dtype)
-
-    def backend(self, params, layer, q, k, v, positions, state):
-        return dense_cache_attention(layer, q, k, v, positions, state)
 
 
 def resolve_policy(policy):

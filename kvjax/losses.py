@@ -111,3 +111,11 @@ def hidden_mse(teacher_hidden, student_hidden, mask_BS):
     for ht, hs in zip(teacher_hidden, student_hidden):
         total = total + _masked_mean(jnp.mean((hs.astype(jnp.float32) - ht.astype(jnp.float32)) ** 2, -1), mask_BS)
     return total
+
+
+def lm_loss(logits_BSV, targets_BS, mask_BS):
+    """Mean next-token cross entropy over ``mask`` (bool, or float weights): ``-sum m log p(x_{t+1} | x_<=t) / sum m``."""
+    logp = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets_BS[:, 1:, None], axis=-1)[..., 0]
+    m = mask_BS[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)

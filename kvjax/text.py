@@ -69,7 +69,7 @@ def generate_text(model, tokenizer, prompts: str | Sequence[str | Messages], max
     together). Rows stop at the model's or the tokenizer's end-of-turn token, which is
     not part of the returned text.
     """
-    import kvjax
+    from kvjax.generate import generate
 
     single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
                                           isinstance(prompts[0], dict))
@@ -79,7 +79,7 @@ def generate_text(model, tokenizer, prompts: str | Sequence[str | Messages], max
     ids = encode_prompts(tokenizer, batch, chat=chat, system=system)
     eos = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    out = np.asarray(kvjax.generate(model, ids, max_new_tokens, policy=policy, temperature=temperature,
+    out = np.asarray(generate(model, ids, max_new_tokens, policy=policy, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos, pad_token_id=pad))
     S = max(len(r) for r in ids)
     texts = []
@@ -97,12 +97,11 @@ class TextGenerator:
     """
 
     def __init__(self, model, tokenizer=None, *, policy=None, dtype="float32"):
-        import kvjax
-        from kvjax.convert.hf_io import source_folder
+        from kvjax.convert.hf_io import load_hf, source_folder
 
         if isinstance(model, (str, os.PathLike)):
             folder = Path(model)
-            model = kvjax.load_hf(folder, dtype=dtype)
+            model = load_hf(folder, dtype=dtype)
         else:
             folder = source_folder(model)
         if tokenizer is None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.eviction.keep_rule import block_any_kept
+from pallas_kernels.keep_rule import block_any_kept
 from pallas_kernels import reference
 
 BACKENDS = ("auto", "xla", "tpu", "gpu")
@@ -213,7 +213,7 @@ def transposed_target(q_BSHD, k_BSKD, lse_BSH, *, window: int, aggregate: str = 
         raise ValueError(f"q {q_BSHD.shape}, k {k_BSKD.shape} and lse {lse_BSH.shape} disagree")
     be = resolve_backend(backend)
     if be == "xla":
-        return reference.transposed_target(q_BSHD, k_BSKD, lse_BSH, window=window, aggregate=aggregate)
+        return reference.transposed_target(q_BSHD, k_BSKD, lse_BSH, window=window, aggregate=aggregate, eps=eps)
     _check_blocks(be, block_q, block_k, D)
     step = int(np.lcm(block_q, block_k))
     Sp = -(-S // step) * step

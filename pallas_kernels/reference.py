@@ -1,30 +1,127 @@
 """XLA references of the three ops: the ground truth every kernel is tested against, and
-the CPU path of ``backend="auto"``.
+the CPU path of ``backend="auto"``. Self-contained (no ``kvjax`` import); ``kvjax`` builds
+its attention and its future-attention target on :func:`grouped_attention` and
+:func:`future_log_mass`.
 
 Layouts (the op API's): ``q [B, S, H, D]``, ``k, v [B, S, K, D]`` with ``H = G K``;
-``rank, cutoff [B, K, S]`` from :func:`kvjax.eviction.keep_rule.compact_keep`.
+``rank, cutoff [B, K, S]`` (0 = best token; the running top-k threshold per query).
 """
 
 from __future__ import annotations
 
-from kvjax.eviction.attention import masked_attention, slot_attention
-from kvjax.eviction.keep_rule import keep_mask_from_compact
-from kvjax.targets import future_attention_target
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.keep_rule import dense_keep_mask
+
+NEG_INF = -1e30
+
+
+def grouped_attention(q_BSHD, k, v, *, allowed=None, log_weights=None, kv_layout: str = "BTKD"):
+    """Grouped-query softmax attention, the one XLA formulation behind every reference.
+
+    ``k``, ``v``: ``[B, T, K, D]`` (``kv_layout="BTKD"``) or ``[B, K, T, D]`` (``"BKTD"``, the
+    bounded cache's slot buffer). ``allowed`` (bool) and ``log_weights`` (float, added to the
+    logits: a multiplicative mask on the weights) broadcast to ``[B, K, G, S, T]``.
+    Returns ``(out [B, S, H, D] in q's dtype, lse [B, S, H] float32, probs [B, K, G, S, T] float32)``.
+    """
+    B, S, H, D = q_BSHD.shape
+    K = k.shape[2] if kv_layout == "BTKD" else k.shape[1]
+    kv = {"BTKD": "btkd", "BKTD": "bktd"}[kv_layout]
+    q = q_BSHD.reshape(B, S, K, H // K, D)
+    logits = jnp.einsum(f"bskgd,{kv}->bkgst", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+    if log_weights is not None:
+        logits = logits + log_weights
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, NEG_INF)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    p = jnp.exp(logits - m)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    probs = p / denom
+    out = jnp.einsum(f"bkgst,{kv}->bskgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    lse = jnp.transpose((m + jnp.log(denom))[..., 0], (0, 3, 1, 2)).reshape(B, S, H)
+    return out.reshape(B, S, H, D).astype(q_BSHD.dtype), lse, probs
 
 
 def sparse_attention(q_BSHD, k_BSKD, v_BSKD, rank_BKS, cutoff_BKS, *, sinks: int, window: int):
     """``(out [B, S, H, D], lse [B, S, H] float32)``: causal attention under the keep rule."""
-    keep_BKSS = keep_mask_from_compact(rank_BKS, cutoff_BKS, sinks, window)
-    return masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS)
-
-
-def transposed_target(q_BSHD, k_BSKD, lse_BSH, *, window: int, aggregate: str = "max"):
-    """``float32 [B, K, S]`` log future-attention mass (``-inf`` where no query is ``>= t + w``)."""
-    return future_attention_target(q_BSHD, k_BSKD, window=window, lse=lse_BSH, aggregate=aggregate)
+    keep_BKSS = dense_keep_mask(rank_BKS, cutoff_BKS, sinks, window)
+    out, lse, _ = grouped_attention(q_BSHD, k_BSKD, v_BSKD, allowed=keep_BKSS[:, :, None])
+    return out, lse
 
 
 def sparse_decode(q_BHD, k_BKND, v_BKND, valid_BKN):
-    """One decode step over the bounded cache's slots: ``out [B, H, D]`` (``lse`` dropped)."""
-    out, _ = slot_attention(q_BHD, k_BKND, v_BKND, valid_BKN)
-    return out
+    """One decode step over the bounded cache's slots: ``out [B, H, D]``."""
+    out, _, _ = grouped_attention(q_BHD[:, None], k_BKND, v_BKND, allowed=valid_BKN[:, :, None, None],
+                                  kv_layout="BKTD")
+    return out[:, 0]
 
+
+def _valid_length(S: int, lengths_B):
+    """``[B or 1, 1]`` query count of each row: its length, or ``S`` (rows padded on the right)."""
+    return jnp.full((1, 1), S) if lengths_B is None else jnp.asarray(lengths_B)[:, None]
+
+
+def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 256, reduce: str = "sum",
+                    lengths_B=None):
+    """Per key ``t``, over the queries ``d >= t + w`` (of each row's ``lengths``), the log of the
+    summed attention mass (``reduce="sum"``) or of the largest probability (``"max"``):
+    ``float32 [B, K, G, S]``, blockwise over queries (``lax.scan``), never forming ``S x S``.
+    ``lse``: the supervised pass's per-query log-sum-exp (``None``: dense causal)."""
+    B, S, H, D = q_BSHD.shape
+    K = k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if lse_BSH is None:
+        causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
+        _, lse_BSH, _ = grouped_attention(q_BSHD, k_BSKD, k_BSKD, allowed=causal)
+    G = H // K
+    nblk = -(-S // block)
+    pad = nblk * block - S
+    qg = jnp.pad(q_BSHD.reshape(B, S, K, G, D).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    lse_g = jnp.pad(lse_BSH.reshape(B, S, K, G).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kf = k_BSKD.astype(jnp.float32)
+    t = jnp.arange(S)
+    n = _valid_length(S, lengths_B)
+
+    def body(acc_BKGS, i):
+        d = i * block + jnp.arange(block)
+        qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)          # [B, C, K, G, D]
+        lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
+        logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
+        logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
+        ok = (d[None, :, None] >= t[None, None, :] + window) & (d[None, :, None] < n[:, :, None])
+        logits = jnp.where(ok[:, None, None], logits, -jnp.inf)
+        if reduce == "sum":
+            return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
+        return jnp.maximum(acc_BKGS, jnp.max(logits, axis=3)), None
+
+    acc, _ = jax.lax.scan(body, jnp.full((B, K, G, S), -jnp.inf, jnp.float32), jnp.arange(nblk))
+    return acc
+
+
+def target_from_log_mass(log_mass_BKGS, *, window: int, aggregate: str, eps: float = 1e-8, lengths_B=None):
+    """``float32 [B, K, S]``: ``log(eps + m(t))`` with ``m`` the mass per future query
+    (divided by ``max(1, n - (t + w))``), aggregated over the group by ``max`` or ``mean``;
+    ``-inf`` where no query is ``>= t + w``."""
+    S = log_mass_BKGS.shape[-1]
+    t = jnp.arange(S)
+    n_BS = _valid_length(S, lengths_B)
+    log_n = jnp.log(jnp.maximum(1, n_BS - (t + window)).astype(jnp.float32))[:, None, None, :]
+    log_m = log_mass_BKGS - log_n
+    if aggregate == "max":
+        out = jnp.logaddexp(jnp.max(log_m, axis=2), jnp.log(eps))
+    elif aggregate == "mean":
+        G = log_m.shape[2]
+        out = jnp.logaddexp(jax.nn.logsumexp(log_m, axis=2) - jnp.log(G), jnp.log(eps))
+    else:
+        raise ValueError(f"aggregate must be 'max' or 'mean', got {aggregate!r}")
+    return jnp.where((t + window < n_BS)[:, None, :], out, -jnp.inf)
+
+
+def transposed_target(q_BSHD, k_BSKD, lse_BSH, *, window: int, aggregate: str = "max", eps: float = 1e-8):
+    """``float32 [B, K, S]`` log future-attention mass (``-inf`` where no query is ``>= t + w``)."""
+    mass = future_log_mass(q_BSHD, k_BSKD, window=window, lse_BSH=lse_BSH)
+    return target_from_log_mass(mass, window=window, aggregate=aggregate, eps=eps)

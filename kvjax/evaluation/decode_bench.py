@@ -72,7 +72,7 @@ def _kvjax_policy(kind: str, cfg, budget: int):
 
     from kvjax.eviction.config import EvictionConfig
     from kvjax.eviction.learned import from_scorer
-    from kvjax.generate import DenseKV
+    from kvjax.cache import DenseKV
     from kvjax.scorers import MLSTMScorer
 
     if kind == "dense":

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kvjax
 from kvjax.data import EOS_ID, OTHER, category_counts, check_answer, predictions_from_logits
 from kvjax.evaluation.budgets import rebudget
 from kvjax.evaluation.oracle import oracle_priorities
@@ -24,6 +23,7 @@ from kvjax.evaluation.retention import kept_positions, retention_recall
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
 from kvjax.eviction.policies import make_policy
+from kvjax.generate import forward, generate
 
 ANSWER_MAX_NEW = 32   # the longest answer line (4 terms) is 21 tokens
 
@@ -47,7 +47,7 @@ class BatchContext:
     def __init__(self, model, batch: dict, ev: EvictionConfig | None):
         self.model, self.b, self.ev = model, batch, ev
         self.tokens = batch["tokens"]
-        self.dense = kvjax.forward(model, self.tokens)
+        self.dense = forward(model, self.tokens)
         self.graded = jnp.asarray(batch["category"] != OTHER)
         self.prompts_len = batch["answer_start"]
         self._oracle: dict[str, jax.Array] = {}
@@ -99,7 +99,7 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
     right = [None] * n
     if answers:
         prompts = [row[:s].tolist() for row, s in zip(ctx.tokens, ctx.prompts_len)]
-        out = np.asarray(kvjax.generate(model, prompts, ANSWER_MAX_NEW, policy=pol, eos_token_id=EOS_ID))
+        out = np.asarray(generate(model, prompts, ANSWER_MAX_NEW, policy=pol, eos_token_id=EOS_ID))
         width = out.shape[1] - ANSWER_MAX_NEW
         right = [bool(check_answer(out[i, width:], int(b["answer"][i]))) for i in range(n)]
     rec, kept = [None] * n, [None] * n

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.eviction.state import slot_positions
+from kvjax.cache.slots import long_range_positions
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -29,15 +29,15 @@ def _prefill_slots(graphdef, policy, params, policy_params, tokens_BS, lengths_B
     _, state = model(tokens_BS, positions, functools.partial(policy.backend, policy_params), state)
     ev = policy.effective()
     q_B = lengths_B - 1
-    every = jnp.stack([slot_positions(st, q_B, ev) for st in state.layers])   # [L, B, K, s + w + m]
-    long_range = jnp.stack([st.lr_pos for st in state.layers])                # [L, B, K, m]
+    every = jnp.stack([buf.pos for buf in state.layers])                                # [L, B, K, N]
+    long_range = jnp.stack([long_range_positions(buf, q_B, ev) for buf in state.layers])  # [L, B, K, N]
     return every, long_range
 
 
 def kept_positions(model, tokens_BS, lengths_B, policy) -> tuple[np.ndarray, np.ndarray]:
-    """``(all slots int32 [L, B, K, s + w + m], long-range slots int32 [L, B, K, m])``: the
-    original positions a policy's cache holds after prefilling ``tokens[b, :lengths[b]]``
-    (-1 = empty slot)."""
+    """``(all slots int32 [L, B, K, N], long-range slots int32 [L, B, K, N])`` with ``N = s + w + m``:
+    the original positions a policy's cache holds after prefilling ``tokens[b, :lengths[b]]``
+    (-1 = empty slot; in the second array, also every slot that is not long range)."""
     graphdef, params = nnx.split(model)
     every, lr = _prefill_slots(graphdef, policy, params, policy.params, jnp.asarray(tokens_BS, jnp.int32),
                                jnp.asarray(lengths_B, jnp.int32))

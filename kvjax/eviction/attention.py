@@ -10,13 +10,11 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.eviction.keep_rule import keep_mask_from_compact
-
-NEG_INF = -1e30
+from pallas_kernels.reference import NEG_INF, grouped_attention  # noqa: F401  (NEG_INF re-exported)
 
 
 def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
@@ -30,37 +28,20 @@ def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
 def masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS, log_weights_BKSS=None):
     """``(out [B, S, H, D], lse [B, S, H])`` with keys restricted by ``keep`` per KV head;
     ``log_weights`` (optional) are added to the kept logits (LKV's multiplicative soft mask)."""
-    B, S, H, D = q_BSHD.shape
-    K = k_BSKD.shape[2]
-    q = q_BSHD.reshape(B, S, K, H // K, D)
-    logits = jnp.einsum("bskgd,btkd->bkgst", q, k_BSKD, preferred_element_type=jnp.float32) * D ** -0.5
-    if log_weights_BKSS is not None:
-        logits = logits + log_weights_BKSS[:, :, None]
-    logits = jnp.where(keep_BKSS[:, :, None], logits, NEG_INF)
-    lse = jax.nn.logsumexp(logits, axis=-1)                                     # [B, K, G, S]
-    p = jnp.exp(logits - lse[..., None])
-    out = jnp.einsum("bkgst,btkd->bskgd", p.astype(v_BSKD.dtype), v_BSKD, preferred_element_type=jnp.float32)
-    lse_BSH = jnp.transpose(lse, (0, 3, 1, 2)).reshape(B, S, H)
-    return out.reshape(B, S, H, D).astype(q_BSHD.dtype), lse_BSH
+    out, lse, _ = grouped_attention(q_BSHD, k_BSKD, v_BSKD, allowed=keep_BKSS[:, :, None],
+                                    log_weights=None if log_weights_BKSS is None else log_weights_BKSS[:, :, None])
+    return out, lse
 
 
 def causal_probs(q_BSHD, k_BSKD):
     """Dense causal attention probabilities ``[B, K, G, S, S]`` (float32), for heuristics."""
-    B, S, H, D = q_BSHD.shape
-    K = k_BSKD.shape[2]
-    q = q_BSHD.reshape(B, S, K, H // K, D)
-    logits = jnp.einsum("bskgd,btkd->bkgst", q, k_BSKD, preferred_element_type=jnp.float32) * D ** -0.5
+    S = q_BSHD.shape[1]
     causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
-    return jax.nn.softmax(jnp.where(causal, logits, NEG_INF), axis=-1)
+    return grouped_attention(q_BSHD, k_BSKD, k_BSKD, allowed=causal)[2]
 
 
 def slot_attention(q_BHD, k_BKND, v_BKND, valid_BKN):
     """``(out [B, H, D], probs [B, K, G, N])`` for one query per row over ``N`` slots."""
-    B, H, D = q_BHD.shape
-    K = k_BKND.shape[1]
-    q = q_BHD.reshape(B, K, H // K, D)
-    logits = jnp.einsum("bkgd,bknd->bkgn", q, k_BKND, preferred_element_type=jnp.float32) * D ** -0.5
-    logits = jnp.where(valid_BKN[:, :, None], logits, NEG_INF)
-    p = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bkgn,bknd->bkgd", p.astype(v_BKND.dtype), v_BKND, preferred_element_type=jnp.float32)
-    return out.reshape(B, H, D).astype(q_BHD.dtype), p
+    out, _, p = grouped_attention(q_BHD[:, None], k_BKND, v_BKND, allowed=valid_BKN[:, :, None, None],
+                                  kv_layout="BKTD")
+    return out[:, 0], p[:, :, :, 0]

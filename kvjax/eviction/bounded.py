@@ -1,11 +1,18 @@
-"""The one mechanism every eviction policy runs on: a bounded cache (one
-:class:`LayerState` per layer) with a prefill backend (keep-rule masked attention for
-static priorities, dense attention + selection for attention heuristics) and a decode
-backend (exiting token competes for the long-range slots, then attention over slots).
+"""The one mechanism every eviction policy runs on: a bounded cache (one :class:`SlotBuffer`
+per layer, see :mod:`kvjax.cache.slots`) and two policy protocols over it.
 
-A policy subclasses :class:`BoundedPolicy` and supplies priorities only. It is a frozen
-(hashable) dataclass, so ``jax.jit`` treats it as static; its arrays (scorer weights,
-oracle priorities) travel separately as ``params``.
+- :class:`StaticPriority` -- a token's priority is fixed once it exists (KVpop, LKV, K-norm,
+  random, the oracles, StreamingLLM). Prefill is one pass of keep-rule attention (the
+  ``pallas_kernels`` sparse kernel); in decoding the token leaving the window gets its
+  priority (``exit_priority``) and competes for a long-range slot.
+- :class:`AttentionStatistic` -- a slot's priority is an attention statistic that changes
+  every step (TOVA, H2O, SnapKV). Prefill is dense attention followed by selection, as in
+  kvpress; in decoding each step's attention probabilities update the statistic.
+
+A policy is a frozen (hashable) dataclass, so ``jax.jit`` treats it as static; its arrays
+(scorer weights, oracle priorities) travel separately as ``params``, and its per-layer state
+(the mLSTM scorer's memory, an attention statistic per slot) is its own pytree in
+``BoundedCache.policy_state``.
 """
 
 from __future__ import annotations
@@ -18,76 +25,37 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.eviction.attention import causal_probs, slot_attention
-from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.eviction.config import EvictionConfig
-from kvjax.eviction.state import (LayerState, all_slots, exiting, init_layer, insert_long_range, prefill_layer,
-                                  set_scores, slot_positions, write_current)
+from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
+from kvjax.cache.slots import (BoundedCache, SlotBuffer, exiting_slot, gather_tokens, init_buffer, place,
+                               prefill_buffer, read_slot, write)
 from kvjax.models.attention import dense_attention
-
-
-@struct.dataclass
-class BoundedCache:
-    layers: tuple[LayerState, ...]
-    lengths: jax.Array        # [B] prompt lengths (read by prefill)
-    aux: tuple = ()           # per-layer policy state (e.g. the mLSTM scorer's memory)
-
-    def nbytes(self) -> int:
-        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
 @dataclasses.dataclass(frozen=True)
 class BoundedPolicy:
+    """What both protocols share: the budget, weights, per-head budgets and cache set-up."""
+
     config: EvictionConfig = dataclasses.field(default_factory=EvictionConfig)
     params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     # (layers, KV heads, head_dim, config sha256 or None) of the model learned weights were made for
     fits: tuple | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
 
     name: ClassVar[str] = "bounded"
-    static: ClassVar[bool] = True     # priorities fixed per token (keep-rule path)
+    static: ClassVar[bool]          # set by the protocol: True for StaticPriority
 
-    # ---- what a policy supplies -------------------------------------------------------
     def effective(self) -> EvictionConfig:
         """The budget this policy actually runs with."""
         return self.config
-
-    def priority(self, params, layer: int, k_BSKD, v_BSKD, t_BS):
-        """Static policies: ``float32 [B, K, S]`` priority of tokens at positions ``t``."""
-        raise TypeError(f"policy {self.name!r} is static but defines no priority()")
-
-    def prefill_scores(self, probs_BKGSS, lengths_B):
-        """Attention heuristics: ``[B, K, S]`` per-token statistic after a dense prefill."""
-        raise TypeError(f"policy {self.name!r} is not static but defines no prefill_scores()")
-
-    def update_scores(self, scores_BKN, probs_BKN):
-        """Attention heuristics: new per-slot statistic after one decode step."""
-        raise TypeError(f"policy {self.name!r} is not static but defines no update_scores()")
-
-    def decode_priorities(self, st: LayerState, exit_score_BK, exit_snapshot_BK):
-        """Attention heuristics: the exiting token's priority, and the state with its
-        long-range priorities for this step (default: the current statistic)."""
-        return exit_score_BK, st.replace(lr_prio=st.lr_score)
-
-    def refresh(self, st: LayerState, q_B) -> LayerState:
-        """Attention heuristics: hook after each decode step's statistics update."""
-        return st
-
-    def init_aux(self, params, cfg, batch: int):
-        """Per-layer policy state carried in the cache (default: none)."""
-        return ()
-
-    def prefill_priority(self, params, layer: int, k_BSKD, v_BSKD, positions_BS, lengths_B, aux):
-        """Static policies: prompt priorities ``[B, K, S]`` and this layer's policy state."""
-        return self.priority(params, layer, k_BSKD, v_BSKD, positions_BS), aux
-
-    def exit_priority(self, params, layer: int, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, aux):
-        """Static policies: priority ``[B, K]`` of the token leaving the window (after the
-        current token ``q`` arrived) and this layer's policy state."""
-        return self.priority(params, layer, k_exit_BKD[:, None], v_exit_BKD[:, None], t_B[:, None])[:, :, 0], aux
 
     def head_budgets(self, params, cfg, batch: int):
         """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
         ev = self.effective()
         return jnp.full((cfg.num_layers, batch, cfg.num_kv_heads), ev.topk, jnp.int32)
+
+    def init_policy_state(self, params, cfg, batch: int):
+        """Per-layer policy state carried in the cache (default: none)."""
+        return ()
 
     def check_model(self, cfg) -> None:
         """Refuse a model whose shapes differ from those the policy's weights were made for;
@@ -102,7 +70,7 @@ class BoundedPolicy:
             raise ValueError(f"policy {self.name!r}: its scorers were made for another model ({diff} in this "
                              f"model); export scorers for this model or load the model they belong to")
         if digest:
-            from kvjax.export import config_hash
+            from kvjax.config import config_hash
 
             if config_hash(cfg) != digest:
                 import warnings
@@ -110,7 +78,6 @@ class BoundedPolicy:
                 warnings.warn(f"policy {self.name!r}: the model's config differs from the one its scorers were "
                               "exported with (same shapes); check that they belong together", stacklevel=3)
 
-    # ---- the shared mechanism ------------------------------------------------------------
     def with_params(self, params) -> "BoundedPolicy":
         return dataclasses.replace(self, params=params)
 
@@ -118,9 +85,46 @@ class BoundedPolicy:
         ev = self.effective()
         ev.check_fits(cfg.max_position_embeddings)
         budgets = self.head_budgets(params, cfg, batch)
-        layers = tuple(init_layer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])
+        layers = tuple(init_buffer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])
                        for i in range(cfg.num_layers))
-        return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32), self.init_aux(params, cfg, batch))
+        return BoundedCache(layers, jnp.asarray(lengths_B, jnp.int32), self.init_policy_state(params, cfg, batch))
+
+    def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
+        """The attention backend of :class:`kvjax.Decoder`: prefill when ``S > 1``, else one decode step."""
+        if q_BSHD.shape[1] > 1:
+            return self._prefill(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+        return self._decode(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+
+    def _policy_state(self, cache: BoundedCache, layer: int):
+        return cache.policy_state[layer] if cache.policy_state else None
+
+
+def _replace(cache: BoundedCache, layer: int, buf: SlotBuffer, state) -> BoundedCache:
+    layers = cache.layers[:layer] + (buf,) + cache.layers[layer + 1:]
+    if not cache.policy_state:
+        return cache.replace(layers=layers)
+    return cache.replace(layers=layers, policy_state=cache.policy_state[:layer] + (state,) + cache.policy_state[layer + 1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticPriority(BoundedPolicy):
+    """Protocol 1: a policy supplies ``priority`` (and, if it carries state, the prefill and
+    exit hooks); the keep rule and the slot buffer do the rest."""
+
+    static: ClassVar[bool] = True
+
+    def priority(self, params, layer: int, k_BSKD, v_BSKD, t_BS):
+        """``float32 [B, K, S]`` priority of tokens at positions ``t``."""
+        raise NotImplementedError(f"policy {self.name!r} defines no priority()")
+
+    def prefill_priority(self, params, layer: int, k_BSKD, v_BSKD, positions_BS, lengths_B, state):
+        """Prompt priorities ``[B, K, S]`` and this layer's policy state after the prompt."""
+        return self.priority(params, layer, k_BSKD, v_BSKD, positions_BS), state
+
+    def exit_priority(self, params, layer: int, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, state):
+        """Priority ``[B, K]`` of the token leaving the window (after the current token ``q``
+        arrived) and this layer's policy state."""
+        return self.priority(params, layer, k_exit_BKD[:, None], v_exit_BKD[:, None], t_B[:, None])[:, :, 0], state
 
     def sparse_attention(self, q_BSHD, k_BSKD, v_BSKD, prio_BKS, budget_BK):
         """Keep-rule attention from static priorities, each head with its own long-range budget
@@ -133,55 +137,81 @@ class BoundedPolicy:
         return pallas_kernels.sparse_attention(q_BSHD, k_BSKD, v_BSKD, rank, cut, sinks=ev.sinks, window=ev.window,
                                                backend=ev.kernel, interpret=ev.kernel_interpret)
 
-    def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: BoundedCache):
-        if q_BSHD.shape[1] > 1:
-            return self._prefill(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
-        return self._decode(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
-
     def _prefill(self, params, layer, q, k, v, positions, cache):
-        ev, st = self.effective(), cache.layers[layer]
-        if self.static:
-            aux = cache.aux[layer] if cache.aux else None
-            prio, aux = self.prefill_priority(params, layer, k, v, positions, cache.lengths, aux)
-            cache = _replace_aux(cache, layer, aux)
-            out, _ = self.sparse_attention(q, k, v, prio, st.budget)
-            score = jnp.zeros_like(prio)
-        else:
-            out, _ = dense_attention(q, k, v, positions, positions)
-            prio = score = self.prefill_scores(causal_probs(q, k), cache.lengths)
-        st = prefill_layer(st, k, v, prio, score, cache.lengths, ev)
-        return out, _replace_layer(cache, layer, st)
+        ev, buf = self.effective(), cache.layers[layer]
+        prio, state = self.prefill_priority(params, layer, k, v, positions, cache.lengths,
+                                            self._policy_state(cache, layer))
+        out, _ = self.sparse_attention(q, k, v, prio, buf.budget)
+        return out, _replace(cache, layer, prefill_buffer(buf, k, v, prio, cache.lengths, ev), state)
 
     def _decode(self, params, layer, q, k, v, positions, cache):
-        ev, st = self.effective(), cache.layers[layer]
+        import pallas_kernels
+
+        ev, buf = self.effective(), cache.layers[layer]
         q_B = positions[:, 0]
-        ex_k, ex_v, t_B, valid_B, ex_score, ex_snap = exiting(st, q_B, ev)
-        if self.static:
-            aux = cache.aux[layer] if cache.aux else None
-            p_exit, aux = self.exit_priority(params, layer, k[:, 0], v[:, 0], ex_k, ex_v, t_B, aux)
-            cache = _replace_aux(cache, layer, aux)
-        else:
-            p_exit, st = self.decode_priorities(st, ex_score, ex_snap)
-        st = insert_long_range(st, ex_k, ex_v, t_B, valid_B, p_exit, ex_score)
-        st = write_current(st, k[:, 0], v[:, 0], q_B, ev)
-        keys, vals, scores = all_slots(st)
-        valid = slot_positions(st, q_B, ev) >= 0
-        if self.static:      # priorities need no attention statistics: the decode kernel
-            import pallas_kernels
-
-            out = pallas_kernels.sparse_decode(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid,
-                                               backend=ev.kernel, interpret=ev.kernel_interpret)
-            return out[:, None], _replace_layer(cache, layer, st)
-        out, probs = slot_attention(q[:, 0], keys.astype(q.dtype), vals.astype(q.dtype), valid)
-        st = self.refresh(set_scores(st, self.update_scores(scores, probs.mean(axis=2)), ev), q_B)
-        return out[:, None], _replace_layer(cache, layer, st)
+        slot, present = exiting_slot(buf, q_B, ev)
+        p_exit, state = self.exit_priority(params, layer, k[:, 0], v[:, 0], read_slot(buf.k, slot),
+                                           read_slot(buf.v, slot), q_B - ev.window, self._policy_state(cache, layer))
+        buf, target = place(buf, q_B, slot, present, p_exit, ev)
+        buf = write(buf, target, k[:, 0], v[:, 0], q_B)
+        out = pallas_kernels.sparse_decode(q[:, 0], buf.k.astype(q.dtype), buf.v.astype(q.dtype), buf.pos >= 0,
+                                           backend=ev.kernel, interpret=ev.kernel_interpret)
+        return out[:, None], _replace(cache, layer, buf, state)
 
 
-def _replace_aux(cache: BoundedCache, layer: int, aux) -> BoundedCache:
-    if not cache.aux:
-        return cache
-    return cache.replace(aux=cache.aux[:layer] + (aux,) + cache.aux[layer + 1:])
+@struct.dataclass
+class SlotScores:
+    """An attention-statistic policy's state: its statistic per slot ``[B, K, N]``."""
+
+    score: jax.Array
 
 
-def _replace_layer(cache: BoundedCache, layer: int, st: LayerState) -> BoundedCache:
-    return cache.replace(layers=cache.layers[:layer] + (st,) + cache.layers[layer + 1:])
+@dataclasses.dataclass(frozen=True)
+class AttentionStatistic(BoundedPolicy):
+    """Protocol 2: a policy supplies its statistic after a dense prefill (``prefill_scores``)
+    and its update from each decode step's attention (``update_scores``); ``rank`` turns the
+    statistic into the buffer's long-range priorities (default: the statistic itself) and
+    ``refresh`` runs after each step's update."""
+
+    static: ClassVar[bool] = False
+
+    def prefill_scores(self, probs_BKGSS, lengths_B):
+        """``[B, K, S]`` per-token statistic after a dense prefill."""
+        raise NotImplementedError(f"policy {self.name!r} defines no prefill_scores()")
+
+    def update_scores(self, scores_BKN, probs_BKN):
+        """The per-slot statistic after one decode step's attention probabilities ``[B, K, N]``."""
+        raise NotImplementedError(f"policy {self.name!r} defines no update_scores()")
+
+    def rank(self, buf: SlotBuffer, state: SlotScores) -> SlotBuffer:
+        """The buffer with this step's long-range priorities (default: the current statistic)."""
+        return buf.replace(prio=state.score)
+
+    def refresh(self, buf: SlotBuffer, state: SlotScores, q_B) -> tuple[SlotBuffer, SlotScores]:
+        """Hook after each decode step's statistics update."""
+        return buf, state
+
+    def init_policy_state(self, params, cfg, batch: int):
+        ev = self.effective()
+        n = ev.sinks + ev.window + ev.slots
+        return tuple(SlotScores(jnp.zeros((batch, cfg.num_kv_heads, n), jnp.float32)) for _ in range(cfg.num_layers))
+
+    def _prefill(self, params, layer, q, k, v, positions, cache):
+        ev, buf = self.effective(), cache.layers[layer]
+        out, _ = dense_attention(q, k, v, positions, positions)
+        score = self.prefill_scores(causal_probs(q, k), cache.lengths)
+        buf = prefill_buffer(buf, k, v, score, cache.lengths, ev)
+        return out, _replace(cache, layer, buf, SlotScores(gather_tokens(score, buf.pos)))
+
+    def _decode(self, params, layer, q, k, v, positions, cache):
+        ev, buf, state = self.effective(), cache.layers[layer], self._policy_state(cache, layer)
+        q_B = positions[:, 0]
+        buf = self.rank(buf, state)
+        slot, present = exiting_slot(buf, q_B, ev)
+        buf, target = place(buf, q_B, slot, present, read_slot(buf.prio[..., None], slot)[..., 0], ev)
+        buf = write(buf, target, k[:, 0], v[:, 0], q_B)
+        hit = jnp.arange(buf.pos.shape[-1]) == target[..., None]
+        state = SlotScores(jnp.where(hit, 0.0, state.score))
+        out, probs = slot_attention(q[:, 0], buf.k.astype(q.dtype), buf.v.astype(q.dtype), buf.pos >= 0)
+        buf, state = self.refresh(buf, SlotScores(self.update_scores(state.score, probs.mean(axis=2))), q_B)
+        return out[:, None], _replace(cache, layer, buf, state)

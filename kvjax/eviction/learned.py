@@ -3,7 +3,7 @@ scorers, over the same bounded cache and keep rule as every other policy.
 
 - ``kvpop_mlp``: ``r_t`` from a per-head MLP on ``[k_t; v_t]`` (scored when it exits).
 - ``kvpop_mlstm``: ``r_t`` read out at ``q = t + w`` from an mLSTM memory that has absorbed
-  tokens ``0..q``; the memory is part of the cache (``BoundedCache.aux``), updated every
+  tokens ``0..q``; the memory is part of the cache (``BoundedCache.policy_state``), updated every
   step, so decode scores equal the training-time (chunkwise) scores.
 
 The scorer's graph definition is static (part of the policy's hash); its weights travel
@@ -17,13 +17,14 @@ from typing import Any, ClassVar
 
 from flax import nnx
 
-from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.bounded import StaticPriority
 from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.registry import register
 from kvjax.scorers.params import static_priority
 
 
 @dataclasses.dataclass(frozen=True)
-class _Learned(BoundedPolicy):
+class _Learned(StaticPriority):
     scorer_def: Any = None
 
     def scorer(self, params):
@@ -32,21 +33,74 @@ class _Learned(BoundedPolicy):
                              f"kvjax.eviction.learned.from_scorer(scorer, config) or kvjax.load_scorers(dir)")
         return nnx.merge(self.scorer_def, params)
 
+    # ---- export (kvjax.export): each learned policy writes and reads its own scorer ------------
+    def export_scorer(self):
+        """The module whose weights ``export_scorers`` writes."""
+        return self.scorer(self.params)
 
+    def export_budgets(self):
+        """Per-head budgets ``[L, K]`` to record, or ``None``."""
+        return None
+
+    def export_sizes(self) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):
+        """The policy of an exported ``scorer`` (loaded weights) and its ``scorer_config.json``."""
+        graphdef, state = nnx.split(scorer)
+        return cls(config, params=nnx.to_pure_dict(state), scorer_def=graphdef, fits=fits, **cls.export_kwargs(meta))
+
+    @classmethod
+    def export_kwargs(cls, meta: dict) -> dict:
+        return {}
+
+
+@register
 @dataclasses.dataclass(frozen=True)
 class KVpopMLP(_Learned):
     name: ClassVar[str] = "kvpop_mlp"
+    export_kind: ClassVar[str] = "mlp"
+
+    @staticmethod
+    def make_scorer(meta: dict):
+        from kvjax.scorers import MLPScorer
+
+        return MLPScorer(meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["hidden"],
+                         activation=meta["activation"], rngs=nnx.Rngs(0))
+
+    def export_sizes(self) -> dict:
+        sc = self.export_scorer()
+        return {"hidden": int(sc.w1[...].shape[-1]), "activation": sc.activation}
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         return self.scorer(params).priority(layer, k_BSKD, v_BSKD, t_BS)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class KVpopMLSTM(_Learned):
     name: ClassVar[str] = "kvpop_mlstm"
+    export_kind: ClassVar[str] = "mlstm"
     chunk: int = 64
 
-    def init_aux(self, params, cfg, batch):
+    @staticmethod
+    def make_scorer(meta: dict):
+        from kvjax.scorers import MLSTMScorer
+
+        # exports written before readout_norm existed read the memory without the norm
+        return MLSTMScorer(meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["qk_dim"], v_dim=meta["v_dim"],
+                           readout_norm=meta.get("readout_norm", False), rngs=nnx.Rngs(0))
+
+    def export_sizes(self) -> dict:
+        sc = self.export_scorer()
+        return {"qk_dim": int(sc.qk_dim), "v_dim": int(sc.v_dim), "chunk": self.chunk, "readout_norm": sc.readout_norm}
+
+    @classmethod
+    def export_kwargs(cls, meta: dict) -> dict:
+        return {"chunk": meta["chunk"]}
+
+    def init_policy_state(self, params, cfg, batch):
         sc = self.scorer(params)
         return tuple(sc.init_state(batch) for _ in range(cfg.num_layers))
 
@@ -59,13 +113,13 @@ class KVpopMLSTM(_Learned):
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         return self.training_priority(params, layer, k_BSKD, v_BSKD, t_BS)[0]
 
-    def prefill_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B, aux):
+    def prefill_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B, state):
         return self.training_priority(params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B)
 
-    def exit_priority(self, params, layer, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, aux):
+    def exit_priority(self, params, layer, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, state):
         sc = self.scorer(params)
-        aux, r_BK = sc.step(layer, aux, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD)
-        return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None])[:, :, 0], aux
+        state, r_BK = sc.step(layer, state, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD)
+        return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None])[:, :, 0], state
 
 
 def from_scorer(scorer, config: EvictionConfig, **kw) -> _Learned:

@@ -19,9 +19,10 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.bounded import StaticPriority
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.learned import KVpopMLSTM
+from kvjax.eviction.registry import register
 
 
 def lkv_keep_ratio(config: EvictionConfig) -> float:
@@ -39,6 +40,9 @@ def head_budgets_from(heads, config: EvictionConfig):
 
 class _LearnedBudgets:
     """Per-head budgets from ``params["budgets"]`` (``int [L, K]``)."""
+
+    def export_budgets(self):
+        return _field(self.params, "budgets", self.name)
 
     def head_budgets(self, params, cfg, batch: int):
         budgets = _field(params, "budgets", self.name)
@@ -61,12 +65,34 @@ def _field(params, key: str, name: str):
     return params[key]
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class LKV(_LearnedBudgets, BoundedPolicy):
+class LKV(_LearnedBudgets, StaticPriority):
     """``params = {"budgets": int [L, K], "tokens": LKVTokenScorer weights}``."""
 
     name: ClassVar[str] = "lkv"
+    export_kind: ClassVar[str] = "lkv"
     tokens_def: Any = None
+
+    @staticmethod
+    def make_scorer(meta: dict):
+        from kvjax.lkv import LKVTokenScorer
+
+        return LKVTokenScorer(meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["hidden"], rngs=nnx.Rngs(0))
+
+    def export_scorer(self):
+        if self.tokens_def is None:
+            raise _missing_weights(self.name)
+        return nnx.merge(self.tokens_def, _field(self.params, "tokens", self.name))
+
+    def export_sizes(self) -> dict:
+        return {"hidden": int(self.export_scorer().w1[...].shape[-1])}
+
+    @classmethod
+    def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):
+        tokens_def, tokens = nnx.split(scorer)
+        return cls(config, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tokens)}, tokens_def=tokens_def,
+                   fits=fits)
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if self.tokens_def is None:
@@ -74,6 +100,7 @@ class LKV(_LearnedBudgets, BoundedPolicy):
         return nnx.merge(self.tokens_def, _field(params, "tokens", self.name)).scores(layer, k_BSKD, v_BSKD)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class LKVBudgetsKVpopMLSTM(_LearnedBudgets, KVpopMLSTM):
     """``params = {"budgets": int [L, K], "scorer": MLSTMScorer weights}``."""
@@ -82,6 +109,12 @@ class LKVBudgetsKVpopMLSTM(_LearnedBudgets, KVpopMLSTM):
 
     def scorer(self, params):
         return super().scorer(_field(params, "scorer", self.name))
+
+    @classmethod
+    def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):
+        scorer_def, state = nnx.split(scorer)
+        return cls(config, params={"budgets": budgets, "scorer": nnx.to_pure_dict(state)}, scorer_def=scorer_def,
+                   fits=fits, **cls.export_kwargs(meta))
 
 
 def lkv_policy(heads, token_scorer, config: EvictionConfig) -> LKV:

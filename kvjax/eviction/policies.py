@@ -27,8 +27,9 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.bounded import AttentionStatistic, BoundedPolicy, StaticPriority
 from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.registry import REGISTRY, register
 
 
 def _hash_uniform(seed: int, layer: int, head_K, t):
@@ -40,8 +41,9 @@ def _hash_uniform(seed: int, layer: int, head_K, t):
     return (x >> 8).astype(jnp.float32) / jnp.float32(1 << 24)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class StreamingLLM(BoundedPolicy):
+class StreamingLLM(StaticPriority):
     name: ClassVar[str] = "streaming_llm"
 
     def effective(self) -> EvictionConfig:
@@ -52,8 +54,9 @@ class StreamingLLM(BoundedPolicy):
         return jnp.zeros((k_BSKD.shape[0], k_BSKD.shape[2], k_BSKD.shape[1]), jnp.float32)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class RandomPolicy(BoundedPolicy):
+class RandomPolicy(StaticPriority):
     name: ClassVar[str] = "random"
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
@@ -61,16 +64,18 @@ class RandomPolicy(BoundedPolicy):
         return _hash_uniform(self.config.seed, layer, jnp.arange(K)[None, :, None], t_BS[:, None, :])
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class KNorm(BoundedPolicy):
+class KNorm(StaticPriority):
     name: ClassVar[str] = "knorm"
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         return -jnp.swapaxes(jnp.linalg.norm(k_BSKD.astype(jnp.float32), axis=-1), 1, 2)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class Oracle(BoundedPolicy):
+class Oracle(StaticPriority):
     """``params``: ``float [L, B, K, T]`` priorities by position (e.g. the dense
     teacher's log future-attention mass, :func:`kvjax.future_attention_target`)."""
 
@@ -85,6 +90,7 @@ class Oracle(BoundedPolicy):
         return jnp.take_along_axis(table, jnp.broadcast_to(idx, table.shape[:2] + idx.shape[-1:]), axis=-1)
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class OraclePeak(Oracle):
     """The oracle's mechanism under its own name, so a table can hold both hindsight
@@ -93,6 +99,7 @@ class OraclePeak(Oracle):
     name: ClassVar[str] = "oracle_peak"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
 class OracleUnion(Oracle):
     """The oracle's mechanism for ``kvjax.evaluation.oracle_priorities(kind="union")``."""
@@ -100,10 +107,10 @@ class OracleUnion(Oracle):
     name: ClassVar[str] = "oracle_union"
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class TOVA(BoundedPolicy):
+class TOVA(AttentionStatistic):
     name: ClassVar[str] = "tova"
-    static: ClassVar[bool] = False
 
     def prefill_scores(self, probs_BKGSS, lengths_B):
         last = jnp.take_along_axis(probs_BKGSS, (lengths_B - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
@@ -113,10 +120,10 @@ class TOVA(BoundedPolicy):
         return probs_BKN
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class H2O(BoundedPolicy):
+class H2O(AttentionStatistic):
     name: ClassVar[str] = "h2o"
-    static: ClassVar[bool] = False
 
     def prefill_scores(self, probs_BKGSS, lengths_B):
         S = probs_BKGSS.shape[-1]
@@ -127,10 +134,10 @@ class H2O(BoundedPolicy):
         return scores_BKN + probs_BKN
 
 
+@register
 @dataclasses.dataclass(frozen=True)
-class SnapKV(BoundedPolicy):
+class SnapKV(AttentionStatistic):
     name: ClassVar[str] = "snapkv"
-    static: ClassVar[bool] = False
 
     def prefill_scores(self, probs_BKGSS, lengths_B):
         S = probs_BKGSS.shape[-1]
@@ -144,34 +151,26 @@ class SnapKV(BoundedPolicy):
     def update_scores(self, scores_BKN, probs_BKN):
         return scores_BKN + probs_BKN
 
-    def decode_priorities(self, st, exit_score_BK, exit_snapshot_BK):
-        return exit_snapshot_BK, st            # rankings hold until the next refresh
+    def rank(self, buf, state):
+        return buf                             # rankings hold until the next refresh
 
-    def refresh(self, st, q_B):
+    def refresh(self, buf, state, q_B):
         """Every ``obs_window`` steps (the window of observed queries has refilled), every
         slot is re-ranked by the attention those queries paid it, and the sums restart."""
         due = (jnp.mod(q_B + 1, self.config.obs_window) == 0)[:, None, None]
-        return st.replace(lr_prio=jnp.where(due, st.lr_score, st.lr_prio),
-                          win_prio=jnp.where(due, st.win_score, st.win_prio),
-                          lr_score=jnp.where(due, 0.0, st.lr_score), win_score=jnp.where(due, 0.0, st.win_score),
-                          sink_score=jnp.where(due, 0.0, st.sink_score))
+        return (buf.replace(prio=jnp.where(due, state.score, buf.prio)),
+                state.replace(score=jnp.where(due, 0.0, state.score)))
 
 
-from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM  # noqa: E402  (learned policies share this registry)
-from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM  # noqa: E402
+from kvjax.eviction import learned, lkv_policies  # noqa: E402,F401  (they register the learned policies)
 
-REGISTRY: dict[str, type[BoundedPolicy]] = {
-    cls.name: cls for cls in (StreamingLLM, RandomPolicy, KNorm, Oracle, OraclePeak, OracleUnion, TOVA, H2O, SnapKV, KVpopMLP, KVpopMLSTM,
-                              LKV, LKVBudgetsKVpopMLSTM)}
-
-
-def register(cls: type[BoundedPolicy]) -> type[BoundedPolicy]:
-    """Add a policy class to the registry (usable by name in configs and the CLI)."""
-    REGISTRY[cls.name] = cls
-    return cls
 
 
 def make_policy(name: str, config: EvictionConfig | None = None, params: Any = None) -> BoundedPolicy:
+    """The registered policy ``name`` with ``config`` (default: ``EvictionConfig()``) and ``params``."""
     if name not in REGISTRY:
         raise ValueError(f"policy: unknown name {name!r}; registered: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name](config or EvictionConfig(), params=params)
+
+
+__all__ = ["REGISTRY", "make_policy", "register", "BoundedPolicy", "StaticPriority", "AttentionStatistic"]

@@ -34,20 +34,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from kvjax.cache import DenseCache, dense_cache_attention
+from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
 from kvjax.eviction.attention import causal_probs
 from kvjax.eviction.bounded import BoundedPolicy
 from kvjax.eviction.fenwick import token_ranks
-
-
-@struct.dataclass
-class CompressedCache:
-    dense: DenseCache
-    keep: tuple[jax.Array, ...]   # per layer bool [B, K, T]: slot visible to later queries
-    budgets: jax.Array            # int32 [L, B, K]: the ranker's long-range budget per head (at its topk)
-    aux: tuple = ()               # the ranking policy's per-layer state (the mLSTM's memory)
 
 
 def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax.Array:
@@ -91,7 +82,7 @@ class PromptCompressed:
         keep = tuple(jnp.ones((batch, cfg.num_kv_heads, max_len), bool) for _ in range(cfg.num_layers))
         return CompressedCache(DenseCache.init(cfg, batch, max_len, dtype), keep,
                                self.ranker.head_budgets(params["ranker"], cfg, batch),
-                               self.ranker.init_aux(params["ranker"], cfg, batch))
+                               self.ranker.init_policy_state(params["ranker"], cfg, batch) if self.ranker.static else ())
 
     def head_keep(self, budgets_BK, context_B) -> jax.Array:
         """``int32 [B, K]``: context tokens each head keeps (sinks + window + its share of the top)."""
@@ -101,10 +92,10 @@ class PromptCompressed:
         share = (budgets_BK * top) // topk if topk > 0 else top
         return ev.sinks + ev.window + jnp.broadcast_to(share, budgets_BK.shape)
 
-    def _priority(self, params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context_B, aux):
+    def _priority(self, params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context_B, state):
         r = self.ranker
         if r.static:
-            return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context_B, aux)[0]
+            return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context_B, state)[0]
         return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context_B)
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
@@ -114,7 +105,7 @@ class PromptCompressed:
             ev = self.ranker.config
             context = params["context"]
             prio = self._priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context,
-                                  cache.aux[layer] if cache.aux else None)
+                                  cache.policy_state[layer] if cache.policy_state else None)
             kept = keep_context(prio, context, self.head_keep(cache.budgets[layer], context),
                                 sinks=ev.sinks, window=ev.window)
             T = keep.shape[-1]

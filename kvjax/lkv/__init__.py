@@ -11,17 +11,10 @@ Every LKV weight is an :class:`LKVParam`, so ``nnx.state(model, LKVParam)`` sele
 (a plain ``nnx.Param`` filter matches them too).
 """
 
-from flax import nnx
-
-
-class LKVParam(nnx.Param):
-    """An LKV weight (head embeddings, head MLP, token scorers), selected apart from the backbone."""
-
-
-# imported after LKVParam, which the modules below use
-from kvjax.lkv.heads import LKVHeads, integer_budgets  # noqa: E402
-from kvjax.lkv.soft_topk import laplace_cdf, soft_topk  # noqa: E402
-from kvjax.lkv.token_scorer import LKVTokenScorer, gumbel_temperature, gumbel_topk_mask, noisy_scores  # noqa: E402
+from kvjax.lkv.heads import LKVHeads, integer_budgets
+from kvjax.lkv.param import LKVParam
+from kvjax.lkv.soft_topk import laplace_cdf, soft_topk
+from kvjax.lkv.token_scorer import LKVTokenScorer, gumbel_temperature, gumbel_topk_mask, noisy_scores
 
 __all__ = ["LKVParam", "soft_topk", "laplace_cdf", "LKVHeads", "integer_budgets", "LKVTokenScorer",
            "gumbel_temperature", "noisy_scores", "gumbel_topk_mask"]

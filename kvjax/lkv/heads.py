@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from kvjax.lkv import LKVParam
+from kvjax.lkv.param import LKVParam
 from kvjax.lkv.soft_topk import soft_topk
 
 

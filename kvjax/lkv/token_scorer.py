@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.lkv import LKVParam
+from kvjax.lkv.param import LKVParam
 from kvjax.lkv.soft_topk import soft_topk
 
 

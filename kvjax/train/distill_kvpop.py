@@ -77,7 +77,7 @@ def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
 
 
 def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
-    from kvjax.train.tasks import Task
+    from kvjax.train.task import Task
 
     ev = cfg.eviction
     teacher_section = cfg.model if cfg.teacher_hf_path is None else dataclasses.replace(

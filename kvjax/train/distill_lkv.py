@@ -78,7 +78,7 @@ def soft_student_forward(model, lkv: LKVModules, tokens_BS, cfg: TrainConfig, rn
 
 
 def distill_lkv_task(cfg: TrainConfig, *, abstract: bool = False):
-    from kvjax.train.tasks import Task
+    from kvjax.train.task import Task
 
     ev = cfg.eviction
     backbone = build_model(cfg.model, cfg.seed, abstract=abstract)

@@ -17,14 +17,6 @@ import jax.numpy as jnp
 import optax
 
 
-def lm_loss(logits_BSV, targets_BS, mask_BS):
-    """Mean next-token cross entropy over ``mask`` (bool, or float weights): ``-sum m log p(x_{t+1} | x_<=t) / sum m``."""
-    logp = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets_BS[:, 1:, None], axis=-1)[..., 0]
-    m = mask_BS[:, 1:].astype(jnp.float32)
-    return jnp.sum(nll * m) / jnp.maximum(jnp.sum(m), 1.0)
-
-
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, grad_accum: int):
     def step(params, frozen, opt_state, batch, rng, update_mask, lr_scale, global_step):
         def micro(carry, xs):

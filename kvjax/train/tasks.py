@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -17,24 +16,8 @@ from kvjax.train.config import TrainConfig
 from kvjax.train.key_dropout import key_dropout_attention, rate_at
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
-from kvjax.train.steps import lm_loss
-
-
-@dataclasses.dataclass
-class Task:
-    graphdef: Any                                 # the model (or, when distilling, the student)
-    params: Any                                   # trainable pytree (plain dicts of arrays)
-    loss_fn: Callable                             # (params, frozen, batch, rng, step) -> (loss, aux)
-    batch_keys: tuple[str, ...]                   # the batch fields the loss reads
-    frozen: Any = None                            # read-only pytree (e.g. the teacher's weights)
-    frozen_def: Any = None
-    to_model: Callable | None = None              # params -> a Decoder to evaluate / save
-
-    def model(self, params=None):
-        params = self.params if params is None else params
-        if self.to_model is not None:
-            return self.to_model(params)
-        return nnx.merge(self.graphdef, params)
+from kvjax.losses import lm_loss
+from kvjax.train.task import Task
 
 
 def pretrain_task(cfg: TrainConfig, *, abstract: bool = False) -> Task:

@@ -13,7 +13,8 @@ from kvjax.eviction.attention import keep_mask_heads
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
 from kvjax.eviction.policies import REGISTRY, make_policy
-from kvjax.eviction.state import exiting, init_layer, insert_long_range, slot_positions, write_current
+from kvjax.eviction.bounded import SlotScores
+from kvjax.cache.slots import exiting_slot, init_buffer, place, write
 
 
 def brute_keep_row(prio, q, s, w, k):
@@ -28,18 +29,18 @@ def brute_keep_row(prio, q, s, w, k):
 def decode_positions(prio_KS, ev):
     """Slot positions after each append, for a single row: ``[S, K, s + w + m]``."""
     K, S = prio_KS.shape
-    st = init_layer(ev, 1, K, 2, jnp.float32)
+    buf = init_buffer(ev, 1, K, 2, jnp.float32)
     kv = jnp.zeros((1, K, 2))
 
-    def step(st, q):
+    def step(buf, q):
         q_B = jnp.full((1,), q)
-        _, _, t, valid, sc, _ = exiting(st, q_B, ev)
-        p = jnp.take_along_axis(prio_KS, jnp.clip(t, 0, S - 1)[:, None].repeat(K, 0), axis=1)[:, 0][None]
-        st = insert_long_range(st, kv, kv, t, valid, p, sc)
-        st = write_current(st, kv, kv, q_B, ev)
-        return st, slot_positions(st, q_B, ev)[0]
+        slot, present = exiting_slot(buf, q_B, ev)
+        p = prio_KS[:, jnp.clip(q - ev.window, 0, S - 1)][None]
+        buf, target = place(buf, q_B, slot, present, p, ev)
+        buf = write(buf, target, kv, kv, q_B)
+        return buf, buf.pos[0]
 
-    _, pos = jax.lax.scan(step, st, jnp.arange(S))
+    _, pos = jax.lax.scan(step, buf, jnp.arange(S))
     return pos
 
 
@@ -136,7 +137,7 @@ def test_decode_memory_is_flat():
     small, large = run(1024), run(16384)
     assert jax.tree.map(lambda x: (x.shape, x.dtype), small) == jax.tree.map(lambda x: (x.shape, x.dtype), large)
     assert small.nbytes() == large.nbytes()
-    assert int(large.layers[0].lr_pos.max()) > 1024 > int(small.layers[0].lr_pos.max())
+    assert int(large.layers[0].pos.max()) > 1024 > int(small.layers[0].pos.max())
 
 
 def test_config_errors(tiny):
@@ -157,12 +158,11 @@ def test_config_errors(tiny):
 def test_snapkv_reranks_when_the_observation_window_refills():
     ev = EvictionConfig(sinks=1, window=4, topk=3, obs_window=4)
     pol = make_policy("snapkv", ev)
-    st = init_layer(ev, 1, 1, 2, jnp.float32)
-    st = st.replace(lr_score=jnp.array([[[0.5, 0.1, 0.9]]]), lr_prio=jnp.array([[[1.0, 2.0, 3.0]]]),
-                    win_score=jnp.full((1, 1, 4), 0.25))
-    kept = pol.refresh(st, jnp.array([5]))                  # (5 + 1) % 4 != 0: rankings hold
-    np.testing.assert_array_equal(np.asarray(kept.lr_prio), [[[1.0, 2.0, 3.0]]])
-    due = pol.refresh(st, jnp.array([7]))                   # 8 queries seen: refresh
-    np.testing.assert_allclose(np.asarray(due.lr_prio), [[[0.5, 0.1, 0.9]]], rtol=1e-6)
-    np.testing.assert_array_equal(np.asarray(due.win_prio), np.full((1, 1, 4), 0.25))
-    assert float(jnp.abs(due.lr_score).sum() + jnp.abs(due.win_score).sum()) == 0.0
+    buf = init_buffer(ev, 1, 1, 2, jnp.float32)                  # 1 sink + 4 window + 3 long-range slots
+    buf = buf.replace(prio=jnp.array([[[0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0]]]))
+    state = SlotScores(jnp.array([[[0.0, 0.25, 0.25, 0.25, 0.25, 0.5, 0.1, 0.9]]]))
+    kept, _ = pol.refresh(buf, state, jnp.array([5]))            # (5 + 1) % 4 != 0: rankings hold
+    np.testing.assert_array_equal(np.asarray(kept.prio), np.asarray(buf.prio))
+    due, restarted = pol.refresh(buf, state, jnp.array([7]))     # 8 queries seen: refresh
+    np.testing.assert_allclose(np.asarray(due.prio), np.asarray(state.score), rtol=1e-6)
+    assert float(jnp.abs(restarted.score).sum()) == 0.0

@@ -61,7 +61,7 @@ def test_sparse_pass_equals_stepwise_decode_with_per_head_budgets(tiny, combo):
     dense = np.asarray(kvjax.forward(tiny, tokens))
     assert np.abs(a - dense).max() > 1e-2
     cache = pol.init(pol.params, cfg, 2, 80, jnp.float32, jnp.full((2,), 80))
-    assert cache.layers[0].lr_k.shape[2] == 14                              # padded to k_max slots
+    assert cache.layers[0].k.shape[2] == cache.layers[0].pos.shape[2] == 2 + 6 + 14   # s + w + k_max slots
     np.testing.assert_array_equal(np.asarray(cache.layers[1].budget), [[5, 11], [5, 11]])
 
 

@@ -8,6 +8,9 @@ either nothing yet or the padding of a shorter prompt, and are never attended.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -44,3 +47,18 @@ def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cach
     ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
     vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]
     return out, cache.replace(k=ks, v=vs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseKV:
+    """The dense cache as a cache policy: ``init`` a state, attend through ``backend``."""
+
+    name: str = "dense"
+
+    params: Any = None
+
+    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths) -> Any:
+        return DenseCache.init(cfg, batch, max_len, dtype)
+
+    def backend(self, params, layer, q, k, v, positions, state):
+        return dense_cache_attention(layer, q, k, v, positions, state)
