@@ -110,7 +110,7 @@ DISTILL_STEPS ?= 300
 LONG_POLICIES = dense,streaming_llm,tova,h2o,snapkv,oracle,kvpop_mlp,kvpop_mlstm,lkv,lkv_kvpop_mlstm
 quality: install
 	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS)
-	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS) --set eviction.scorer=mlp \
+	$(PY) train.py --config configs/testbed-distill-kvpop.yaml --set steps=$(DISTILL_STEPS) --set eviction.kvpop.scorer=mlp \
 		--set out_dir=runs/testbed-kvpop-mlp --set save_hf=runs/testbed-kvpop-mlp/student
 	$(PY) train.py --config configs/testbed-distill-lkv.yaml --set steps=$(DISTILL_STEPS)
 	$(PY) -c "import kvjax; from kvjax.export import combine_lkv_budgets as c; \

@@ -220,7 +220,7 @@ def section_distill(smoke: bool) -> dict:
     for kernel in (backend, "xla"):
         d = {"mode": "distill_kvpop", "steps": 2, "model": model,
              "data": {"source": "tokens", "path": "unused.jsonl", "seq_len": seq, "batch_size": 1},
-             "eviction": {"sinks": 4, "window": seq // 16, "topk": seq // 4, "scorer": "mlstm",
+             "eviction": {"sinks": 4, "window": seq // 16, "topk": seq // 4, "kvpop": {"scorer": "mlstm"},
                           "kernel": kernel, "kernel_interpret": interpret and kernel != "xla"}}
         try:
             cfg = from_dict(TrainConfig, d)

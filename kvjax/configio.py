@@ -80,6 +80,11 @@ def from_dict(cls, data: Mapping[str, Any] | None, where: str = ""):
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
+    moved = getattr(cls, "MOVED", {})
+    if unknown and unknown[0] in moved:
+        key = f"{where}.{unknown[0]}" if where else unknown[0]
+        new = f"{where}.{moved[unknown[0]]}" if where else moved[unknown[0]]
+        raise ConfigError(f"config key {key!r} moved to {new!r}")
     if unknown:
         key = f"{where}.{unknown[0]}" if where else unknown[0]
         raise ConfigError(f"unknown config key {key!r}; known keys here: {', '.join(sorted(fields))}")
@@ -150,15 +155,16 @@ def _field_comments(cls) -> dict[str, str]:
     import inspect
     import re
 
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
     out = {}
-    for line in src.splitlines():
-        m = re.match(r"\s+(\w+)\s*:[^#]*?#\s*(.+)$", line)
-        if m:
-            out[m.group(1)] = m.group(2).strip()
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):   # a subclass's comments win
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for line in src.splitlines():
+            m = re.match(r"\s+(\w+)\s*:[^#]*?#\s*(.+)$", line)
+            if m:
+                out[m.group(1)] = m.group(2).strip()
     return out
 
 

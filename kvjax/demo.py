@@ -85,8 +85,7 @@ def _real_model(args) -> int:
     print(md)
 
     _banner(4, "jitted decode benchmark on SmolLM2 (batch 1, 1k tokens of context)", 5)
-    sys.path.insert(0, str(ROOT))   # eval.py is the repository's entry point
-    import eval as eval_cli
+    from kvjax.evaluation import cli as eval_cli
 
     torch_there = importlib.util.find_spec("torch") is not None
     rc = eval_cli.main(["--set", "mode=bench", "--set", f"out_dir={out / 'bench'}", "--set", f"bench_model={folder}",
@@ -136,7 +135,6 @@ def _testbed(args) -> int:
     import jax
     from flax import nnx
 
-    sys.path.insert(0, str(ROOT))   # train.py and eval.py are the repository's entry points
     import kvjax
 
     _banner(1, f"the testbed teacher: {args.teacher}")
@@ -147,7 +145,7 @@ def _testbed(args) -> int:
           f"{n_params / 1e6:.2f} M parameters, vocabulary {c.vocab_size} words")
 
     _banner(2, f"KVpop distillation ({args.steps} steps, mLSTM scorer, 75% compression of 512-token traces)")
-    import train as train_cli
+    from kvjax.train import cli as train_cli
 
     run = out / "distill-kvpop"
     rc = train_cli.main(["--config", str(ROOT / "configs" / "testbed-distill-kvpop.yaml"),
@@ -168,7 +166,7 @@ def _testbed(args) -> int:
     print(f"wrote {scorers / 'scorers.safetensors'} and {scorers / 'scorer_config.json'}")
 
     _banner(4, f"quality at 75% compression on {args.problems} held-out problems")
-    import eval as eval_cli
+    from kvjax.evaluation import cli as eval_cli
 
     quality = out / "quality"
     rc = eval_cli.main(["--set", f"model={args.teacher}", "--set", f"out_dir={quality}",

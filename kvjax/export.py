@@ -77,7 +77,8 @@ def _policy_from_run(run_dir: Path):
         policy = lkv_policy(student.lkv.heads, student.lkv.tokens, lkv_eviction_config(cfg))
         return policy, task.model(state["params"]).config, name
     ev = EvictionConfig(cfg.eviction.sinks, cfg.eviction.window, cfg.eviction.topk)
-    return from_scorer(student.scorers, ev), student.backbone.config, name
+    kw = {"chunk": cfg.eviction.kvpop.mlstm_chunk} if cfg.eviction.kvpop.scorer == "mlstm" else {}
+    return from_scorer(student.scorers, ev, **kw), student.backbone.config, name
 
 
 def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None, base_config=None) -> Path:

@@ -37,6 +37,7 @@ INTEGRATION = {
     "eviction/test_eviction_state.py", "project/test_device_check.py", "scorers/test_export.py",
     "train/test_key_dropout.py", "scorers/test_scorer_fit.py", "longctx/test_tasks.py",
     "longctx/test_longctx_run.py", "evaluation/test_trace_retention.py", "eviction/test_prompt_compressed.py",
+    "eviction/test_chunked_prefill.py", "train/test_remat.py",
 }
 
 

@@ -79,7 +79,11 @@ def _kvjax_policy(kind: str, cfg, budget: int):
         return DenseKV()
     window = max(1, budget // 16)
     ev = EvictionConfig(sinks=4, window=window, topk=budget - 4 - window)
-    return from_scorer(MLSTMScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, rngs=nnx.Rngs(0)), ev)
+    if kind == "kvpop":
+        return from_scorer(MLSTMScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, rngs=nnx.Rngs(0)), ev)
+    from kvjax.eviction.policies import make_policy
+
+    return make_policy(kind, ev)         # a weightless policy by name (knorm, streaming_llm, ...): ablations
 
 
 def run_kvjax(model_dir: str, kind: str, length: int, batch: int, steps: int, repeats: int, budget: int) -> dict:
@@ -90,7 +94,7 @@ def run_kvjax(model_dir: str, kind: str, length: int, batch: int, steps: int, re
 
 def time_kvjax_decode(model, kind: str, length: int, batch: int, steps: int, repeats: int, budget: int) -> dict:
     """Seconds per decode step of ``model`` with the dense cache or KVpop's bounded one
-    (``kind``: dense | kvpop), starting at ``length`` tokens, ``steps`` steps in one jit."""
+    (``kind``: dense | kvpop | a weightless policy's name), starting at ``length`` tokens, ``steps`` steps in one jit."""
     import jax
     import jax.numpy as jnp
     from flax import nnx

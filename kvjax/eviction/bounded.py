@@ -24,7 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+import pallas_kernels
+
 from kvjax.eviction.attention import causal_probs, slot_attention
+from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.cache.slots import (BoundedCache, SlotBuffer, exiting_slot, gather_tokens, init_buffer, place,
@@ -129,8 +132,6 @@ class StaticPriority(BoundedPolicy):
     def sparse_attention(self, q_BSHD, k_BSKD, v_BSKD, prio_BKS, budget_BK):
         """Keep-rule attention from static priorities, each head with its own long-range budget
         (the decode state's, so prefill and decode keep the same set), by the configured kernel."""
-        import pallas_kernels
-
         ev = self.effective()
         rank = token_ranks(prio_BKS)
         cut = cutoffs_from_ranks(rank, sinks=ev.sinks, window=ev.window, topk=budget_BK)
@@ -141,12 +142,13 @@ class StaticPriority(BoundedPolicy):
         ev, buf = self.effective(), cache.layers[layer]
         prio, state = self.prefill_priority(params, layer, k, v, positions, cache.lengths,
                                             self._policy_state(cache, layer))
+        if ev.prefill_chunk and q.shape[1] > ev.prefill_chunk:
+            out, buf = chunked_prefill(q, k, v, prio, cache.lengths, buf, ev, ev.prefill_chunk)
+            return out, _replace(cache, layer, buf, state)
         out, _ = self.sparse_attention(q, k, v, prio, buf.budget)
         return out, _replace(cache, layer, prefill_buffer(buf, k, v, prio, cache.lengths, ev), state)
 
     def _decode(self, params, layer, q, k, v, positions, cache):
-        import pallas_kernels
-
         ev, buf = self.effective(), cache.layers[layer]
         q_B = positions[:, 0]
         slot, present = exiting_slot(buf, q_B, ev)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,38 +21,46 @@ class EvictionConfig:
     kernel: backend of the sparse prefill attention and the decode step (``pallas_kernels``):
       ``"auto"`` (the platform's Pallas kernel, the XLA reference on CPU), ``"xla"``, ``"tpu"``,
       ``"gpu"``; ``kernel_interpret`` runs a kernel in Pallas interpret mode (tests on CPU).
+    prefill_chunk: static-priority policies prefill ``prefill_chunk`` queries at a time over the
+      slot buffer plus the chunk (:mod:`kvjax.eviction.chunked`; the same kept sets and outputs as
+      one pass, attention memory ``O(C (s + w + k_max + C))`` instead of ``O(S^2)``); 0: one pass.
     """
 
-    sinks: int = 4
-    window: int = 64
-    topk: int = 64
-    k_max: int | None = None
-    seed: int = 0
-    obs_window: int = 16
-    pool: int = 7
-    kernel: str = "auto"
-    kernel_interpret: bool = False
+    sinks: int = 4                       # first tokens always kept
+    window: int = 64                     # most recent tokens always kept (>= 1)
+    topk: int = 64                       # long-range slots per head, filled by priority (LKV: the mean over heads)
+    k_max: int | None = None             # long-range slots allocated per head (default topk; LKV: > topk)
+    seed: int = 0                        # the random policy's seed
+    obs_window: int = 16                 # SnapKV: observation window (queries) and decode refresh period
+    pool: int = 7                        # SnapKV: pooling kernel over positions (odd)
+    kernel: str = "auto"                 # sparse attention / decode backend: auto | xla | tpu | gpu
+    kernel_interpret: bool = False       # run a kernel backend in Pallas interpret mode (CPU tests)
+    prefill_chunk: int = 0               # static priorities: prefill this many queries at a time (0: one pass)
+
+    label: ClassVar[str] = "EvictionConfig"   # names the fields in errors ("eviction" in a train config)
 
     def __post_init__(self):
+        c = self.label
         for name in ("sinks", "topk", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"EvictionConfig.{name} must be a non-negative integer, got {v!r}")
+                raise ValueError(f"{c}.{name} must be a non-negative integer, got {v!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int):
-            raise ValueError(f"EvictionConfig.window must be an integer, got {self.window!r}")
+            raise ValueError(f"{c}.window must be an integer, got {self.window!r}")
         if self.window < 1:
-            raise ValueError(f"EvictionConfig.window must be >= 1 (the current token is always kept), "
-                             f"got {self.window!r}")
+            raise ValueError(f"{c}.window must be >= 1, got {self.window!r} (the current token is always kept)")
         if self.k_max is not None and (not isinstance(self.k_max, int) or self.k_max < 0):
-            raise ValueError(f"EvictionConfig.k_max must be a non-negative integer, got {self.k_max!r}")
+            raise ValueError(f"{c}.k_max must be a non-negative integer, got {self.k_max!r}")
         if self.k_max is not None and self.topk > self.k_max:
-            raise ValueError(f"EvictionConfig.topk ({self.topk}) must be <= k_max ({self.k_max})")
+            raise ValueError(f"{c}.topk ({self.topk}) must be <= k_max ({self.k_max})")
         if self.obs_window < 1:
-            raise ValueError(f"EvictionConfig.obs_window must be >= 1, got {self.obs_window}")
+            raise ValueError(f"{c}.obs_window must be >= 1, got {self.obs_window}")
         if self.kernel not in ("auto", "xla", "tpu", "gpu"):
-            raise ValueError(f"EvictionConfig.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
+            raise ValueError(f"{c}.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
+            raise ValueError(f"{c}.prefill_chunk must be a non-negative integer, got {self.prefill_chunk!r}")
         if self.pool < 1 or self.pool % 2 == 0:
-            raise ValueError(f"EvictionConfig.pool must be a positive odd integer, got {self.pool}")
+            raise ValueError(f"{c}.pool must be a positive odd integer, got {self.pool}")
 
     @property
     def slots(self) -> int:

@@ -125,9 +125,31 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs, param_dtype=param_dtype, init_std=init_std)
         self.eps = cfg.rms_norm_eps
 
+    def __call__(self, h_BSE, positions_BS, inv_freq, backend: AttentionBackend, layer: int, state):
+        """One layer on the residual stream: ``(h + attn + mlp, backend state)``."""
+        x = rms_norm(h_BSE, self.input_layernorm[...], self.eps)
+        q, k, v = self.self_attn.qkv(x, positions_BS, inv_freq)
+        attn, state = backend(layer, q, k, v, positions_BS, state)
+        h = h_BSE + self.self_attn.out(attn)
+        return h + self.mlp(rms_norm(h, self.post_attention_layernorm[...], self.eps)), state
+
+
+def _layer_call(graphdef, backend, layer: int, inv_freq):
+    """``(block params, h, positions, state) -> Block(...)``, a pure function for ``jax.checkpoint``
+    (the static layer index and backend closed over)."""
+    def run(params, h_BSE, positions_BS, state):
+        return nnx.merge(graphdef, params)(h_BSE, positions_BS, inv_freq, backend, layer, state)
+
+    return run
+
 
 class Decoder(nnx.Module):
-    """The causal LM. ``dtype`` is the compute dtype; parameters keep ``param_dtype``."""
+    """The causal LM. ``dtype`` is the compute dtype; parameters keep ``param_dtype``.
+
+    ``remat``: recompute each block's activations in the backward pass (``jax.checkpoint``)
+    instead of storing them; set from the train config's ``model.remat``."""
+
+    remat: bool = False
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
                  dtype=jnp.float32, init_std: float = 0.02, embed_init_std: float = 0.02,
@@ -154,11 +176,11 @@ class Decoder(nnx.Module):
         h = jnp.take(self.embed_tokens[...], tokens_BS, axis=0).astype(self.dtype)
         per_layer = []
         for i, blk in enumerate(self.layers):
-            x = rms_norm(h, blk.input_layernorm[...], blk.eps)
-            q, k, v = blk.self_attn.qkv(x, positions_BS, inv_freq)
-            attn, state = backend(i, q, k, v, positions_BS, state)
-            h = h + blk.self_attn.out(attn)
-            h = h + blk.mlp(rms_norm(h, blk.post_attention_layernorm[...], blk.eps))
+            if self.remat:
+                graphdef, params = nnx.split(blk)
+                h, state = jax.checkpoint(_layer_call(graphdef, backend, i, inv_freq))(params, h, positions_BS, state)
+            else:
+                h, state = blk(h, positions_BS, inv_freq, backend, i, state)
             per_layer.append(h)
         out = rms_norm(h, self.norm[...], self.config.rms_norm_eps)
         return (out, state, tuple(per_layer)) if layer_outputs else (out, state)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
+
+from kvjax.eviction.config import EvictionConfig
 
 Mode = Literal["pretrain", "distill_kvpop", "distill_lkv"]
 
@@ -26,6 +28,7 @@ class ModelSection:
     init_std: float = 0.02                   # normal init std of new weights (no hf_path)
     embed_init_std: float = 0.02             # normal init std of new embeddings
     qk_norm_init: float = 1.0                 # Qwen3 q/k RMSNorm weights at init (sharper early attention)
+    remat: bool = False                      # recompute each block's activations in the backward pass (less memory)
 
     def __post_init__(self):
         given = [n for n in ("hf_path", "preset", "config") if getattr(self, n) is not None]
@@ -136,52 +139,75 @@ class LogSection:
 
 
 @dataclass(frozen=True)
-class EvictionSection:
-    """Budget and scorers of the sparse student (``distill_kvpop``, ``distill_lkv``)."""
+class KVpopSection:
+    """KVpop's scorer and retention losses (``distill_kvpop``)."""
 
-    sinks: int = 4                           # first tokens always kept
-    window: int = 64                         # most recent tokens always kept (>= 1)
-    topk: int = 64                   # long-range slots per head (LKV: the average over heads)
-    k_max: int | None = None         # LKV: most long-range slots one head may fill (default 2 * topk)
-    scorer: Literal["mlp", "mlstm"] = "mlp"  # KVpop token scorer: mlp | mlstm
-    scorer_hidden: int = 64          # MLP width
-    mlstm_qk_dim: int = 16           # mLSTM key/query width
+    scorer: Literal["mlp", "mlstm"] = "mlp"  # token scorer: mlp | mlstm
+    hidden: int = 64                         # MLP width
+    mlstm_qk_dim: int = 16                   # mLSTM key/query width
     mlstm_chunk: int = 64                    # mLSTM chunk length (chunkwise-parallel form)
-    mlstm_readout_norm: bool = True  # RMS-normalise the mLSTM read before its head (kvjax.scorers.mlstm)
-    regression_weight: float = 1.0           # KVpop: weight of the scorer's regression loss
-    regression_centred: bool = True  # fit r_hat up to a per-head offset (the keep rule ignores it)
-    pairwise_weight: float = 1.0             # KVpop: weight of the boundary pairwise loss
-    pairwise_frac: float = 0.25      # fraction of boundary query positions sampled per step
-    kd_weight: float = 1.0                   # weight of the KL to the dense teacher
-    kd_topk: int = 0                 # 0: KL over the full vocabulary
-    kernel: str = "auto"             # sparse attention + target: auto | xla | tpu | gpu (pallas_kernels)
-    kernel_interpret: bool = False   # run a kernel backend in Pallas interpret mode (CPU tests)
-    lkv_embed_dim: int = 16          # LKV-H head embeddings
-    lkv_head_hidden: int = 64        # LKV-H shared MLP width
-    lkv_token_hidden: int = 64       # LKV-T per-head MLP width
-    hidden_weight: float = 1.0       # LKV: beta of the per-layer hidden-state MSE
-    gumbel_start: float = 1.0        # LKV-T Gumbel temperature, annealed geometrically ...
-    gumbel_end: float = 0.05         # ... to this value ...
-    gumbel_steps: int = 0            # ... over this many steps (0: the whole run)
+    mlstm_readout_norm: bool = True          # RMS-normalise the mLSTM read before its head (kvjax.scorers.mlstm)
+    regression_weight: float = 1.0           # weight of the scorer's regression loss
+    regression_centred: bool = True          # fit r_hat up to a per-head offset (the keep rule ignores it)
+    pairwise_weight: float = 1.0             # weight of the boundary pairwise loss
+    pairwise_frac: float = 0.25              # fraction of boundary query positions sampled per step
 
     def __post_init__(self):
-        for name, low in (("sinks", 0), ("window", 1), ("topk", 0), ("scorer_hidden", 1), ("mlstm_qk_dim", 1),
-                          ("mlstm_chunk", 1), ("kd_topk", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"eviction.{name} must be >= {low}, got {getattr(self, name)}"
-                                 + (" (the current token is always kept)" if name == "window" else ""))
+        for name in ("hidden", "mlstm_qk_dim", "mlstm_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"kvpop.{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.pairwise_frac <= 1.0:
-            raise ValueError(f"eviction.pairwise_frac must be in (0, 1], got {self.pairwise_frac}")
-        if self.k_max is not None and self.k_max <= self.topk:
-            raise ValueError(f"eviction.k_max ({self.k_max}) must be > eviction.topk ({self.topk})")
-        if self.kernel not in ("auto", "xla", "tpu", "gpu"):
-            raise ValueError(f"eviction.kernel must be auto, xla, tpu or gpu, got {self.kernel!r}")
-        if not (self.gumbel_start > 0 and self.gumbel_end > 0):
-            raise ValueError("eviction.gumbel_start and eviction.gumbel_end must be > 0")
+            raise ValueError(f"kvpop.pairwise_frac must be in (0, 1], got {self.pairwise_frac}")
 
-    @property
-    def lkv_k_max(self) -> int:
-        return 2 * self.topk if self.k_max is None else self.k_max
+
+@dataclass(frozen=True)
+class LKVSection:
+    """LKV's budget and token networks and its hidden-state loss (``distill_lkv``)."""
+
+    embed_dim: int = 16                      # LKV-H head embeddings
+    head_hidden: int = 64                    # LKV-H shared MLP width
+    token_hidden: int = 64                   # LKV-T per-head MLP width
+    hidden_weight: float = 1.0               # beta of the per-layer hidden-state MSE
+    gumbel_start: float = 1.0                # LKV-T Gumbel temperature, annealed geometrically ...
+    gumbel_end: float = 0.05                 # ... to this value ...
+    gumbel_steps: int = 0                    # ... over this many steps (0: the whole run)
+
+    def __post_init__(self):
+        if not (self.gumbel_start > 0 and self.gumbel_end > 0):
+            raise ValueError("lkv.gumbel_start and lkv.gumbel_end must be > 0")
+
+
+_MOVED = {**{k: f"kvpop.{k}" for k in ("scorer", "mlstm_qk_dim", "mlstm_chunk", "mlstm_readout_norm",
+                                       "regression_weight", "regression_centred", "pairwise_weight",
+                                       "pairwise_frac")},
+          "scorer_hidden": "kvpop.hidden", "lkv_embed_dim": "lkv.embed_dim", "lkv_head_hidden": "lkv.head_hidden",
+          "lkv_token_hidden": "lkv.token_hidden",
+          **{k: f"lkv.{k}" for k in ("hidden_weight", "gumbel_start", "gumbel_end", "gumbel_steps")}}
+
+
+@dataclass(frozen=True)
+class EvictionSection(EvictionConfig):
+    """The sparse student's eviction config: the bounded cache's budget (every field of
+    :class:`kvjax.EvictionConfig`: ``sinks``, ``window``, ``topk``, ``k_max``, ``kernel``, ...,
+    validated there), the distillation's KL, and the ``kvpop:`` / ``lkv:`` sub-sections.
+    ``distill_lkv`` needs ``k_max > topk`` (the most long-range slots one head may fill)."""
+
+    MOVED: ClassVar[dict[str, str]] = _MOVED
+    label: ClassVar[str] = "eviction"
+
+    kd_weight: float = 1.0                   # weight of the KL to the dense teacher
+    kd_topk: int = 0                         # 0: KL over the full vocabulary
+    kvpop: KVpopSection = field(default_factory=KVpopSection)
+    lkv: LKVSection = field(default_factory=LKVSection)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kd_topk < 0:
+            raise ValueError(f"eviction.kd_topk must be >= 0, got {self.kd_topk}")
+
+    def budget_config(self) -> EvictionConfig:
+        """The plain :class:`EvictionConfig` (what a policy built from this run runs with)."""
+        return EvictionConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EvictionConfig)})
 
 
 @dataclass(frozen=True)
@@ -204,6 +230,10 @@ class TrainConfig:
     def __post_init__(self):
         if not self.phases and self.steps < 1:
             raise ValueError("set steps >= 1 or give phases")
+        ev = self.eviction
+        if self.mode == "distill_lkv" and (ev.k_max is None or ev.k_max <= ev.topk):
+            raise ValueError(f"eviction.k_max ({ev.k_max}) must be > eviction.topk ({ev.topk}) for distill_lkv: the "
+                             f"most long-range slots one head may fill (e.g. k_max: {2 * ev.topk})")
         if self.data.source == "testbed":       # the generator's knobs, checked now rather than at step 0
             from kvjax.data import TestbedConfig
 
@@ -227,7 +257,7 @@ class TrainConfig:
         out = []
         if self.mode != "pretrain":
             ev = self.eviction
-            budget = ev.sinks + ev.window + (ev.lkv_k_max if self.mode == "distill_lkv" else ev.topk)
+            budget = ev.sinks + ev.window + ev.slots
             seq = max(int(p.data.get("seq_len", self.data.seq_len)) for p in self.all_phases())
             if budget >= seq:
                 out.append(f"the eviction budget sinks + window + topk = {budget} is >= the sequence length {seq}: "

@@ -42,10 +42,10 @@ class Student(nnx.Module):
 def make_scorer(cfg: TrainConfig, model_cfg, seed: int):
     ev = cfg.eviction
     rngs = nnx.Rngs(seed + 17)
-    if ev.scorer == "mlp":
-        return MLPScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.scorer_hidden, rngs=rngs)
-    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.mlstm_qk_dim,
-                       readout_norm=ev.mlstm_readout_norm, rngs=rngs)
+    if ev.kvpop.scorer == "mlp":
+        return MLPScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.kvpop.hidden, rngs=rngs)
+    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.kvpop.mlstm_qk_dim,
+                       readout_norm=ev.kvpop.mlstm_readout_norm, rngs=rngs)
 
 
 def scorer_outputs(scorer, layer, k_BSKD, v_BSKD, positions_BS, window: int, chunk: int):
@@ -64,7 +64,7 @@ def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
     kernel = dict(backend=ev.kernel, interpret=ev.kernel_interpret)
 
     def backend(layer, q, k, v, positions, acc):
-        r_hat, p_hat = scorer_outputs(student.scorers, layer, k, v, positions, ev.window, ev.mlstm_chunk)
+        r_hat, p_hat = scorer_outputs(student.scorers, layer, k, v, positions, ev.window, ev.kvpop.mlstm_chunk)
         rank = token_ranks(jax.lax.stop_gradient(p_hat))
         cut = cutoffs_from_ranks(rank, sinks=ev.sinks, window=ev.window, topk=ev.topk)
         out, lse = pallas_kernels.sparse_attention(q, k, v, rank, cut, sinks=ev.sinks, window=ev.window, **kernel)
@@ -100,11 +100,11 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
         kd = (kl_distill(t_logits, s_logits, mask) if ev.kd_topk <= 0
               else topk_kl_distill(t_logits, s_logits, mask, ev.kd_topk))
         S = batch["tokens"].shape[1]
-        sample = jax.random.bernoulli(rng, ev.pairwise_frac, (S,))
-        reg = sum(regression_loss(r, t, centred=ev.regression_centred) for r, _, t in per_layer) / len(per_layer)
+        sample = jax.random.bernoulli(rng, ev.kvpop.pairwise_frac, (S,))
+        reg = sum(regression_loss(r, t, centred=ev.kvpop.regression_centred) for r, _, t in per_layer) / len(per_layer)
         pair = sum(boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window, topk=ev.topk, sample_mask_S=sample)
                    for _, ph, t in per_layer) / len(per_layer)
-        total = ev.kd_weight * kd + ev.regression_weight * reg + ev.pairwise_weight * pair
+        total = ev.kd_weight * kd + ev.kvpop.regression_weight * reg + ev.kvpop.pairwise_weight * pair
         return total, {"kd": kd, "regression": reg, "pairwise": pair}
 
     def to_model(p):

@@ -47,8 +47,8 @@ class LKVStudent(nnx.Module):
 
 def make_lkv(cfg: TrainConfig, model_cfg, seed: int) -> LKVStudent:
     ev, rngs = cfg.eviction, nnx.Rngs(seed + 29)
-    heads = LKVHeads(model_cfg.num_layers, model_cfg.num_kv_heads, ev.lkv_embed_dim, ev.lkv_head_hidden, rngs=rngs)
-    tokens = LKVTokenScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.lkv_token_hidden,
+    heads = LKVHeads(model_cfg.num_layers, model_cfg.num_kv_heads, ev.lkv.embed_dim, ev.lkv.head_hidden, rngs=rngs)
+    tokens = LKVTokenScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.lkv.token_hidden,
                             rngs=rngs)
     return LKVStudent(LKVModules(heads, tokens))
 
@@ -56,13 +56,13 @@ def make_lkv(cfg: TrainConfig, model_cfg, seed: int) -> LKVStudent:
 def lkv_eviction_config(cfg: TrainConfig) -> EvictionConfig:
     """The inference budget the trained LKV weights are meant for."""
     ev = cfg.eviction
-    return EvictionConfig(sinks=ev.sinks, window=ev.window, topk=ev.topk, k_max=ev.lkv_k_max)
+    return EvictionConfig(sinks=ev.sinks, window=ev.window, topk=ev.topk, k_max=ev.k_max)
 
 
 def soft_student_forward(model, lkv: LKVModules, tokens_BS, cfg: TrainConfig, rng, temperature):
     """Student logits and per-layer residual streams under the soft LKV keep weights."""
     ev = cfg.eviction
-    k_max = ev.lkv_k_max
+    k_max = ev.k_max
     budget_LK = lkv.heads.ratios(ev.topk / k_max) * k_max
 
     def backend(layer, q, k, v, positions, state):
@@ -86,19 +86,19 @@ def distill_lkv_task(cfg: TrainConfig, *, abstract: bool = False):
     student = nnx.eval_shape(make) if abstract else make()
     graphdef, params = split_params(student)
     b_def, b_params = split_params(backbone)
-    anneal = ev.gumbel_steps or cfg.total_steps
+    anneal = ev.lkv.gumbel_steps or cfg.total_steps
 
     def loss_fn(p, frozen, batch, rng, step):
         model = nnx.merge(b_def, frozen)
         lkv = nnx.merge(graphdef, p).lkv
         th, _, t_layers = model(batch["tokens"], layer_outputs=True)
         t_logits = jax.lax.stop_gradient(model.logits(th))
-        tau = gumbel_temperature(step, ev.gumbel_start, ev.gumbel_end, anneal)
+        tau = gumbel_temperature(step, ev.lkv.gumbel_start, ev.lkv.gumbel_end, anneal)
         s_logits, s_layers = soft_student_forward(model, lkv, batch["tokens"], cfg, rng, tau)
         mask = batch["loss_mask"]
         kd = kl_distill(t_logits, s_logits, mask)
         mse = hidden_mse(jax.lax.stop_gradient(t_layers), s_layers, mask) / len(s_layers)
-        return kd + ev.hidden_weight * mse, {"kd": kd, "hidden_mse": mse, "gumbel_tau": tau}
+        return kd + ev.lkv.hidden_weight * mse, {"kd": kd, "hidden_mse": mse, "gumbel_tau": tau}
 
     def to_model(p):
         return nnx.merge(b_def, b_params)

@@ -3,13 +3,14 @@ evaluation, checkpoints with exact resume, and clean exit on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -118,7 +119,28 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = Fals
             lock.release()
 
 
-def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quiet: bool) -> dict:
+@dataclasses.dataclass
+class _Run:
+    """What the loop carries: the config, the jitted step and its state, and the run's outputs."""
+
+    cfg: TrainConfig
+    out: Path
+    lead: bool
+    quiet: bool
+    task: Any
+    params: Any
+    frozen: Any
+    opt_state: Any
+    step_fn: Callable
+    scheds: dict
+    batch_sharding: NamedSharding
+    ckpt: Checkpointer | None = None
+    meta: dict | None = None
+    log: MetricsLog | None = None
+
+
+def _setup(cfg: TrainConfig, out: Path, lead: bool, quiet: bool) -> _Run:
+    """The mesh, the task's parameters placed on it, the optimizer and the jitted train step."""
     mesh = make_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, devices=_mesh_devices(cfg))
     task = make_task(cfg)
     p_sh = param_shardings(task.graphdef, task.params, mesh)
@@ -127,97 +149,124 @@ def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quie
     if task.frozen is not None:
         f_sh = param_shardings(task.frozen_def, task.frozen, mesh)
         frozen = jax.tree.map(lambda x, s: jax.device_put(x, s), task.frozen, f_sh)
-    total = cfg.total_steps
-    optimizer, scheds = make_optimizer(cfg.optim, params, total, [p.steps for p in cfg.all_phases()])
+    optimizer, scheds = make_optimizer(cfg.optim, params, cfg.total_steps, [p.steps for p in cfg.all_phases()])
     opt_state = place_on_mesh(jax.jit(optimizer.init)(params), mesh)
-    o_sh = tree_shardings(opt_state)
-    batch_sh = NamedSharding(mesh, P(("data", "fsdp")))
     step_fn = jax.jit(make_train_step(task.loss_fn, optimizer, cfg.optim.grad_accum),
-                      out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 2))
+                      out_shardings=(p_sh, tree_shardings(opt_state), None), donate_argnums=(0, 2))
+    return _Run(cfg, out, lead, quiet, task, params, frozen, opt_state, step_fn, scheds,
+                NamedSharding(mesh, P(("data", "fsdp"))))
 
-    ckpt = Checkpointer(cfg.checkpoint.dir or out / "checkpoints", cfg.checkpoint.keep)
-    meta = meta_for(cfg)
+
+def _restore(run: _Run) -> int:
+    """Resume from the latest readable checkpoint of the same run (else step 0); then write
+    the run's ``config.json`` (only now: a refused resume leaves it as it was)."""
+    cfg, lead = run.cfg, run.lead
+    run.ckpt = Checkpointer(cfg.checkpoint.dir or run.out / "checkpoints", cfg.checkpoint.keep)
+    run.meta = meta_for(cfg)
     start = 0
-    if ckpt.latest_step() is not None:
+    if run.ckpt.latest_step() is not None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                {"params": params, "opt_state": opt_state})
-        good = ckpt.restore_latest_good(abstract, meta, say=lambda m: print(m, file=sys.stderr) if lead else None)
+                                {"params": run.params, "opt_state": run.opt_state})
+        good = run.ckpt.restore_latest_good(abstract, run.meta,
+                                            say=lambda m: print(m, file=sys.stderr) if lead else None)
         if good is not None:
             restored, _, start = good
-            params, opt_state = restored["params"], restored["opt_state"]
-            if lead and not quiet:
-                print(f"resumed from {ckpt.dir} at step {start}")
+            run.params, run.opt_state = restored["params"], restored["opt_state"]
+            if lead and not run.quiet:
+                print(f"resumed from {run.ckpt.dir} at step {start}")
         elif lead:
-            print(f"warning: no readable checkpoint left under {ckpt.dir}; starting from step 0", file=sys.stderr)
-    if lead:   # only now: a refused resume leaves the run's config.json as it was
-        write_json_atomic(out / "config.json", to_dict(cfg))
+            print(f"warning: no readable checkpoint left under {run.ckpt.dir}; starting from step 0", file=sys.stderr)
+    if lead:
+        write_json_atomic(run.out / "config.json", to_dict(cfg))
+    return start
 
+
+def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quiet: bool) -> dict:
+    run = _setup(cfg, out, lead, quiet)
+    start = _restore(run)
+    run.log = MetricsLog(out, tensorboard=cfg.log.tensorboard) if lead else None
+    summary = _loop(run, start, stop_after)
+    run.ckpt.wait()
+    run.ckpt.close()
+    if run.log:
+        run.log.close()
+    if "stopped_at" in summary:
+        return summary
+    summary.update(steps=cfg.total_steps, resumed_from=start, params_tree=run.params)
+    if cfg.save_hf:
+        host_params = _to_host(run.params)
+        if lead:
+            _export_hf(cfg, run.task, host_params)
+    return summary
+
+
+def _loop(run: _Run, start: int, stop_after: int | None) -> dict:
+    """Steps ``start .. total - 1`` with the log, evaluation and checkpoint hooks after each;
+    returns early (``stopped_at``) on a signal or after ``stop_after`` steps of this call."""
+    cfg, total = run.cfg, run.cfg.total_steps
     phases = cfg.all_phases()
-    log = MetricsLog(out, tensorboard=cfg.log.tensorboard) if lead else None
     datasets, masks = {}, {}
     key = jax.random.key(cfg.seed)
-    bar = tqdm(total=total, initial=start, disable=not lead or quiet, desc=cfg.mode, dynamic_ncols=True)
-    t_last, tok_count, done_here, step = time.perf_counter(), 0, 0, start
-    summary: dict = {"params": param_count(params)}
+    bar = tqdm(total=total, initial=start, disable=not run.lead or run.quiet, desc=cfg.mode, dynamic_ncols=True)
+    clock = {"t": time.perf_counter(), "tokens": 0}
+    done_here = 0
+    summary: dict = {"params": param_count(run.params)}
     with _Preempted() as pre:
         for step in range(start, total):
             pi, phase, local = _phase_at(phases, step)
             if pi not in datasets:
                 datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi)
-                masks[pi] = trainable_mask(params, phase.trainable)
+                masks[pi] = trainable_mask(run.params, phase.trainable)
             batch_np = datasets[pi][local]
-            batch = {k: _global(batch_np[k], batch_sh) for k in task.batch_keys}
-            rng = jax.random.fold_in(key, step)
-            params, opt_state, metrics = step_fn(params, frozen, opt_state, batch, rng, masks[pi],
-                                                 jnp.float32(phase.lr_scale), jnp.int32(step))
-            tok_count += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
+            batch = {k: _global(batch_np[k], run.batch_sharding) for k in run.task.batch_keys}
+            run.params, run.opt_state, metrics = run.step_fn(
+                run.params, run.frozen, run.opt_state, batch, jax.random.fold_in(key, step), masks[pi],
+                jnp.float32(phase.lr_scale), jnp.int32(step))
+            clock["tokens"] += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
             done_here += 1
             bar.update(1)
             last = step + 1 == total
             if (step + 1) % cfg.log.every == 0 or last:
-                m = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
-                now = time.perf_counter()
-                m["tokens_per_s"] = tok_count / max(now - t_last, 1e-9)
-                m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in scheds.items()})
-                m["phase"] = pi
-                t_last, tok_count = now, 0
-                bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
-                if log:
-                    log.write(step + 1, m)
-                summary["last_metrics"] = m
+                summary["last_metrics"] = _log_hook(run, step, pi, phase, metrics, clock, bar)
             if cfg.data.eval_problems and (last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0)):
-                host_params = _to_host(params)
-                ev = evaluate(cfg, task, host_params) if lead else {}
-                if ev:
-                    log.write_eval(step + 1, ev)
-                    summary["eval"] = ev
-                    bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-            want_ckpt = cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0
+                _eval_hook(run, step, bar, summary)
             stop = pre.flag or (stop_after is not None and done_here >= stop_after)
-            if want_ckpt or last or stop:
-                ckpt.save(step + 1, {"params": params, "opt_state": opt_state},
-                          {**meta, "step": step + 1, "data_position": {"phase": pi, "batch": local + 1}})
+            if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last or stop:
+                run.ckpt.save(step + 1, {"params": run.params, "opt_state": run.opt_state},
+                              {**run.meta, "step": step + 1, "data_position": {"phase": pi, "batch": local + 1}})
             if stop and not last:
-                ckpt.wait()
+                run.ckpt.wait()
                 bar.close()
-                if lead and not quiet:
-                    print(f"stopped at step {step + 1}; checkpoint saved under {ckpt.dir}")
-                summary.update(stopped_at=step + 1, params_tree=params, signal=pre.signal)
-                ckpt.close()
-                if log:
-                    log.close()
+                if run.lead and not run.quiet:
+                    print(f"stopped at step {step + 1}; checkpoint saved under {run.ckpt.dir}")
+                summary.update(stopped_at=step + 1, params_tree=run.params, signal=pre.signal)
                 return summary
-    ckpt.wait()
-    ckpt.close()
     bar.close()
-    if log:
-        log.close()
-    summary.update(steps=total, resumed_from=start, params_tree=params)
-    if cfg.save_hf:
-        host_params = _to_host(params)
-        if lead:
-            _export_hf(cfg, task, host_params)
     return summary
+
+
+def _log_hook(run: _Run, step: int, pi: int, phase, metrics, clock: dict, bar) -> dict:
+    """Metrics of this step (loss, throughput since the last log, learning rates) to the bar and the log."""
+    m = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
+    now = time.perf_counter()
+    m["tokens_per_s"] = clock["tokens"] / max(now - clock["t"], 1e-9)
+    m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in run.scheds.items()})
+    m["phase"] = pi
+    clock["t"], clock["tokens"] = now, 0
+    bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
+    if run.log:
+        run.log.write(step + 1, m)
+    return m
+
+
+def _eval_hook(run: _Run, step: int, bar, summary: dict) -> None:
+    """Held-out metrics on the lead process (the parameter gather is collective)."""
+    host_params = _to_host(run.params)
+    ev = evaluate(run.cfg, run.task, host_params) if run.lead else {}
+    if ev:
+        run.log.write_eval(step + 1, ev)
+        summary["eval"] = ev
+        bar.write(f"step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
 
 
 def _to_host(params):

@@ -34,12 +34,15 @@ def build_model(section: ModelSection, seed: int, *, abstract: bool = False) -> 
     """The model, randomly initialised (preset / inline) or loaded (hf_path)."""
     if section.hf_path is not None and not abstract:
         model_config(section)      # checks the folder against model.preset, if given
-        return load_hf(section.hf_path, dtype=section.param_dtype, compute_dtype=section.compute_dtype)
-    cfg = model_config(section, need_weights=not abstract)
+        model = load_hf(section.hf_path, dtype=section.param_dtype, compute_dtype=section.compute_dtype)
+    else:
+        cfg = model_config(section, need_weights=not abstract)
 
-    def make():
-        return Decoder(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(section.param_dtype),
-                       dtype=jnp.dtype(section.compute_dtype), init_std=section.init_std,
-                       embed_init_std=section.embed_init_std, qk_norm_init=section.qk_norm_init)
+        def make():
+            return Decoder(cfg, rngs=nnx.Rngs(seed), param_dtype=jnp.dtype(section.param_dtype),
+                           dtype=jnp.dtype(section.compute_dtype), init_std=section.init_std,
+                           embed_init_std=section.embed_init_std, qk_norm_init=section.qk_norm_init)
 
-    return nnx.eval_shape(make) if abstract else make()
+        model = nnx.eval_shape(make) if abstract else make()
+    model.remat = section.remat
+    return model

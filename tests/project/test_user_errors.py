@@ -30,8 +30,11 @@ def test_numeric_strings_are_numbers_for_numeric_fields():
 
 @pytest.mark.parametrize("override,match", [
     ("data.testbed.lenght=128", "unknown config key 'data.testbed.lenght'"),
-    ("eviction.sinks=-4", "eviction.sinks must be >= 0"),
+    ("eviction.sinks=-4", "eviction.sinks must be a non-negative integer, got -4"),
     ("eviction.window=0", "eviction.window must be >= 1"),
+    ("eviction.scorer=mlstm", "config key 'eviction.scorer' moved to 'eviction.kvpop.scorer'"),
+    ("eviction.kvpop.pairwise_frac=0", "kvpop.pairwise_frac must be in \\(0, 1\\]"),
+    ("mode=distill_lkv", "eviction.k_max \\(None\\) must be > eviction.topk \\(64\\) for distill_lkv"),
     ("phases=[{steps: 2, data: {num_nmes: 3}}]", "unknown config key 'phases\\[0\\].data.num_nmes'"),
     ("data.testbed.length=-5", "data.testbed \\(phase 0\\)"),
 ])

@@ -110,7 +110,7 @@ def test_export_from_a_distill_run(tmp_path):
     kvjax.save_hf(teacher, tmp_path / "teacher")
     cfg = tiny_config(tmp_path / "run", steps=2, mode="distill_kvpop",
                       **{"model": {"hf_path": str(tmp_path / "teacher")},
-                         "eviction": {"sinks": 2, "window": 8, "topk": 16, "scorer": "mlstm", "mlstm_qk_dim": 8}})
+                         "eviction": {"sinks": 2, "window": 8, "topk": 16, "kvpop": {"scorer": "mlstm", "mlstm_qk_dim": 8}}})
     train(cfg, quiet=True)
     out = export_scorers(tmp_path / "run", tmp_path / "scorers")
     meta = json.loads((out / "scorer_config.json").read_text())

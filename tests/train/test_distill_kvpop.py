@@ -9,7 +9,7 @@ from flax import nnx
 
 import kvjax
 from kvjax.losses import boundary_pairwise_loss, kl_distill, regression_loss
-from kvjax.train.config import EvictionSection, TrainConfig
+from kvjax.train.config import EvictionSection, KVpopSection, TrainConfig
 from kvjax.train.distill_kvpop import Student, make_scorer, sparse_student_forward
 from kvjax.train.optim import split_params
 
@@ -22,7 +22,7 @@ def _nonzero(tree):
 @pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
 def test_gradient_separation(hf_dir, scorer):
     model = kvjax.load_hf(hf_dir("qwen3-gqa")[0])
-    cfg = TrainConfig(steps=1, eviction=EvictionSection(sinks=2, window=6, topk=10, scorer=scorer))
+    cfg = TrainConfig(steps=1, eviction=EvictionSection(sinks=2, window=6, topk=10, kvpop=KVpopSection(scorer=scorer)))
     student = Student(model, make_scorer(cfg, model.config, 0))
     graphdef, params = split_params(student)
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 97, (2, 64)))
@@ -31,7 +31,7 @@ def test_gradient_separation(hf_dir, scorer):
 
     def parts(p):
         logits, per_layer = sparse_student_forward(nnx.merge(graphdef, p), tokens, cfg)
-        ret = sum(regression_loss(r, t, centred=ev.regression_centred)
+        ret = sum(regression_loss(r, t, centred=ev.kvpop.regression_centred)
                   + boundary_pairwise_loss(ph, t, sinks=ev.sinks, window=ev.window, topk=ev.topk)
                   for r, ph, t in per_layer)
         return ret, kl_distill(teacher_logits, logits, jnp.ones((2, 64)))

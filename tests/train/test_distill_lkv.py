@@ -17,8 +17,8 @@ from kvjax.train.loop import train
 from kvjax.train.tasks import make_task
 from train_helpers import tiny_config
 
-LKV_RUN = {"eviction.sinks": 2, "eviction.window": 8, "eviction.topk": 16, "optim.lr_lkv": 1e-2,
-           "model.init_std": 0.3, "eviction.gumbel_start": 0.5, "eviction.gumbel_end": 0.5}
+LKV_RUN = {"eviction.sinks": 2, "eviction.window": 8, "eviction.topk": 16, "eviction.k_max": 32, "optim.lr_lkv": 1e-2,
+           "model.init_std": 0.3, "eviction.lkv.gumbel_start": 0.5, "eviction.lkv.gumbel_end": 0.5}
 
 
 def test_gradients_reach_both_lkv_parts_only(tmp_path):
