@@ -21,12 +21,12 @@ from kvjax.models.attention import dense_attention
 
 @struct.dataclass
 class DenseCache:
-    k: tuple[jax.Array, ...]  # per layer [B, T, K, D], post-RoPE keys
-    v: tuple[jax.Array, ...]  # per layer [B, T, K, D]
+    k: tuple[jax.Array, ...]  # per layer [B, K, T, D], post-RoPE keys (KV head major: a decode step's
+    v: tuple[jax.Array, ...]  # per layer [B, K, T, D]    attention reads each head's keys contiguously)
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> "DenseCache":
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
@@ -38,12 +38,12 @@ def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cach
     ``visible_BKST`` (bool, broadcastable to ``[B, K, S, span or T]``) hides further slots per KV head."""
     B = q_BSHD.shape[0]
     rows = jnp.arange(B)[:, None]
-    k_all = cache.k[layer].at[rows, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))
-    v_all = cache.v[layer].at[rows, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
-    T = k_all.shape[1] if span is None else span
+    k_all = cache.k[layer].at[rows, :, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))   # [B, K, T, D]
+    v_all = cache.v[layer].at[rows, :, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
+    T = k_all.shape[2] if span is None else span
     k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    out, _ = dense_attention(q_BSHD, k_all[:, :T].astype(q_BSHD.dtype), v_all[:, :T].astype(q_BSHD.dtype),
-                             positions_BS, k_pos, visible_BST=visible_BKST)
+    out, _ = dense_attention(q_BSHD, k_all[:, :, :T].astype(q_BSHD.dtype), v_all[:, :, :T].astype(q_BSHD.dtype),
+                             positions_BS, k_pos, visible_BST=visible_BKST, kv_layout="BKTD")
     ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
     vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]
     return out, cache.replace(k=ks, v=vs)

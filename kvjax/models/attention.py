@@ -11,15 +11,16 @@ from __future__ import annotations
 from pallas_kernels.reference import NEG_INF, grouped_attention  # noqa: F401  (NEG_INF re-exported)
 
 
-def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None, visible_BST=None):
+def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None, visible_BST=None,
+                    kv_layout: str = "BTKD"):
     """Returns ``(out [B, S, Hq, D] in q's dtype, lse [B, S, Hq] float32)``; ``visible_BST``
     (optional bool ``[B, S, T]``, or ``[B, K, S, T]`` per KV head) further restricts which
-    keys each query sees."""
+    keys each query sees; ``kv_layout="BKTD"``: keys and values given as ``[B, K, T, D]``."""
     allowed_BST = k_pos_BT[:, None, :] <= q_pos_BS[:, :, None]
     if k_valid_BT is not None:
         allowed_BST = allowed_BST & k_valid_BT[:, None, :]
     allowed = allowed_BST[:, None, None]
     if visible_BST is not None:
         allowed = allowed & (visible_BST[:, None, None] if visible_BST.ndim == 3 else visible_BST[:, :, None])
-    out, lse, _ = grouped_attention(q_BSHD, k_BTKD, v_BTKD, allowed=allowed)
+    out, lse, _ = grouped_attention(q_BSHD, k_BTKD, v_BTKD, allowed=allowed, kv_layout=kv_layout)
     return out, lse

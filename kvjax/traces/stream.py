@@ -40,7 +40,7 @@ def _advance(graphdef, params, cache, small, seed_key, temperature, top_k, top_p
     model = nnx.merge(graphdef, params)
     attend = functools.partial(dense_cache_attention, span=span)   # no running row reaches past span
     B, F = small["force"].shape
-    T = cache.k[0].shape[1]
+    T = cache.k[0].shape[2]
     eos = jnp.asarray(eos_ids, jnp.int32)
     rows = jnp.arange(B)
 
