@@ -36,10 +36,12 @@ def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cach
     """Attention backend: write the new keys/values at their positions, attend causally;
     with ``span``, over slots ``[0, span)`` only (the caller knows no query reaches past it);
     ``visible_BKST`` (bool, broadcastable to ``[B, K, S, span or T]``) hides further slots per KV head."""
-    B = q_BSHD.shape[0]
-    rows = jnp.arange(B)[:, None]
-    k_all = cache.k[layer].at[rows, :, positions_BS].set(k_BSKD.astype(cache.k[layer].dtype))   # [B, K, T, D]
-    v_all = cache.v[layer].at[rows, :, positions_BS].set(v_BSKD.astype(cache.v[layer].dtype))
+    B, K = q_BSHD.shape[0], k_BSKD.shape[2]
+    # every axis but D indexed ([B, K, S] indices): XLA:CPU writes this scatter in place, measured
+    # 2x faster than indexing (row, :, position) at 32k slots
+    at = (jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], positions_BS[:, None, :])
+    k_all = cache.k[layer].at[at].set(jnp.swapaxes(k_BSKD, 1, 2).astype(cache.k[layer].dtype))   # [B, K, T, D]
+    v_all = cache.v[layer].at[at].set(jnp.swapaxes(v_BSKD, 1, 2).astype(cache.v[layer].dtype))
     T = k_all.shape[2] if span is None else span
     k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
     out, _ = dense_attention(q_BSHD, k_all[:, :, :T].astype(q_BSHD.dtype), v_all[:, :, :T].astype(q_BSHD.dtype),
