@@ -2,6 +2,7 @@
 
 from kvjax.config import ModelConfig, RopeScaling, preset
 from kvjax.convert.hf_io import load_hf, save_hf
+from kvjax.eviction.bounded import AttentionStatistic, StaticPriority
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.keep_rule import keep_mask
 from kvjax.eviction.policies import REGISTRY as POLICIES
@@ -26,5 +27,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvjax' has no attribute {name!r}")
 
 __all__ = ["ModelConfig", "RopeScaling", "preset", "load_hf", "save_hf", "forward", "generate", "Decoder", "Model",
-           "EvictionConfig", "make_policy", "prompt_compressed", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
+           "EvictionConfig", "StaticPriority", "AttentionStatistic", "make_policy", "prompt_compressed", "register", "POLICIES", "future_attention_target", "soft_topk", "keep_mask",
            "export_scorers", "load_scorers", "TextGenerator", "generate_text", "real_model"]

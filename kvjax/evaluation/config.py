@@ -42,11 +42,9 @@ class EvalConfig:
         if unknown:
             raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}, "
                              f"or a label of `scorers` ({', '.join(sorted(self.scorers)) or 'none given'})")
-        from kvjax.eviction.learned import KVpopMLP, KVpopMLSTM
-        from kvjax.eviction.lkv_policies import LKV
-
-        heuristics = {n for n, cls in REGISTRY.items() if not issubclass(cls, (KVpopMLP, KVpopMLSTM, LKV))}
-        weightless = [p for p in self.policies if p in REGISTRY and p not in heuristics and p not in self.scorers]
+        learned = {n for n, cls in REGISTRY.items() if hasattr(cls, "export_kind")}   # weights from export_scorers
+        heuristics = set(REGISTRY) - learned
+        weightless = [p for p in self.policies if p in learned and p not in self.scorers]
         if weightless:
             raise ValueError(f"policies: {weightless[0]!r} is a learned policy; give its exported weights in "
                              f"`scorers` ({weightless[0]}: folder written by kvjax.export_scorers)")

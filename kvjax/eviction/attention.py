@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.eviction.keep_rule import keep_mask_from_compact
-from pallas_kernels.reference import NEG_INF, grouped_attention  # noqa: F401  (NEG_INF re-exported)
+from pallas_kernels.reference import grouped_attention
 
 
 def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):

@@ -20,6 +20,7 @@ exp(l_{q,t'})``, computed as ``softmax(l + log m~)`` in float32.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.eviction.attention import masked_attention

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from pallas_kernels.reference import NEG_INF, grouped_attention  # noqa: F401  (NEG_INF re-exported)
+from pallas_kernels.reference import grouped_attention
 
 
 def dense_attention(q_BSHD, k_BTKD, v_BTKD, q_pos_BS, k_pos_BT, k_valid_BT=None, visible_BST=None,
