@@ -26,9 +26,10 @@ accumulates a per-key log-sum-exp over query blocks (``lax.scan``; the XLA refer
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import future_log_mass, grouped_attention, target_from_log_mass
+from pallas_kernels.reference import NEG_INF, future_log_mass, grouped_logits, target_from_log_mass
 
 NEG = -jnp.inf
 
@@ -67,12 +68,13 @@ def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: fl
     """Reference: materialise ``p(d -> t)`` (``[B, K, G, S, S]``) and sum the columns."""
     B, S, H, D = q.shape
     K = k.shape[2]
-    causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
-    _, self_lse, p = grouped_attention(q.astype(jnp.float32), k.astype(jnp.float32), k.astype(jnp.float32),
-                                       allowed=causal)
-    if lse is not None:       # probabilities under the supervised pass's normaliser
-        shift = self_lse - lse.astype(jnp.float32)                                   # [B, S, H]
-        p = p * jnp.exp(jnp.transpose(shift.reshape(B, S, K, H // K), (0, 2, 3, 1)))[..., None]
+    logits = grouped_logits(q.astype(jnp.float32), k.astype(jnp.float32))
+    if lse is None:
+        causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
+        lse_bkgs = jax.nn.logsumexp(jnp.where(causal, logits, NEG_INF), axis=-1)
+    else:
+        lse_bkgs = jnp.transpose(lse.reshape(B, S, K, H // K), (0, 2, 3, 1))
+    p = jnp.exp(logits - lse_bkgs[..., None])
     d, t = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
     mass = jnp.sum(jnp.where(d >= t + window, p, 0.0), axis=3)                   # [B, K, G, S]
     return _finish(jnp.log(mass), S, window, aggregate, eps)

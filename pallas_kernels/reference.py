@@ -17,6 +17,16 @@ from pallas_kernels.keep_rule import dense_keep_mask
 NEG_INF = -1e30
 
 
+def grouped_logits(q_BSHD, k, *, kv_layout: str = "BTKD"):
+    """``float32 [B, K, G, S, T]``: ``q k^T / sqrt(D)`` with the ``H = K G`` query heads grouped
+    by KV head; ``k`` laid out as in :func:`grouped_attention`."""
+    B, S, H, D = q_BSHD.shape
+    K = k.shape[2] if kv_layout == "BTKD" else k.shape[1]
+    kv = {"BTKD": "btkd", "BKTD": "bktd"}[kv_layout]
+    q = q_BSHD.reshape(B, S, K, H // K, D)
+    return jnp.einsum(f"bskgd,{kv}->bkgst", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+
+
 def grouped_attention(q_BSHD, k, v, *, allowed=None, log_weights=None, kv_layout: str = "BTKD"):
     """Grouped-query softmax attention, the one XLA formulation behind every reference.
 
@@ -26,10 +36,8 @@ def grouped_attention(q_BSHD, k, v, *, allowed=None, log_weights=None, kv_layout
     Returns ``(out [B, S, H, D] in q's dtype, lse [B, S, H] float32, probs [B, K, G, S, T] float32)``.
     """
     B, S, H, D = q_BSHD.shape
-    K = k.shape[2] if kv_layout == "BTKD" else k.shape[1]
     kv = {"BTKD": "btkd", "BKTD": "bktd"}[kv_layout]
-    q = q_BSHD.reshape(B, S, K, H // K, D)
-    logits = jnp.einsum(f"bskgd,{kv}->bkgst", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+    logits = grouped_logits(q_BSHD, k, kv_layout=kv_layout)
     if log_weights is not None:
         logits = logits + log_weights
     if allowed is not None:

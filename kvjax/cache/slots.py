@@ -113,7 +113,13 @@ def read_slot(x_BKND, slot_BK):
     return jnp.take_along_axis(x_BKND, slot_BK[:, :, None, None], axis=2)[:, :, 0]
 
 
-def _put(x_BKN, slot_BK, new_BK):
+def read_side(x_BKN, slot_BK):
+    """``x[b, h, slot[b, h]]`` of a side array -> ``[B, K]``."""
+    return jnp.take_along_axis(x_BKN, slot_BK[..., None], axis=-1)[..., 0]
+
+
+def put_side(x_BKN, slot_BK, new_BK):
+    """``x`` with ``x[b, h, slot[b, h]] = new[b, h]`` (in place under jit)."""
     B, K = slot_BK.shape
     return x_BKN.at[jnp.arange(B)[:, None], jnp.arange(K)[None, :], slot_BK].set(new_BK.astype(x_BKN.dtype))
 
@@ -131,8 +137,8 @@ def place(buf: SlotBuffer, q_B, exit_slot_BK, exit_present_BK, exit_prio_BK, ev:
     empty = jnp.argmax(buf.pos < 0, axis=-1)
     stays = exit_present_BK & (buf.budget > 0) & (~full | (exit_prio_BK >= min_p))
     slot = jnp.where(exit_present_BK & ~stays, exit_slot_BK, jnp.where(stays & full, victim, empty)).astype(jnp.int32)
-    at_exit = exit_present_BK[..., None] & (jnp.arange(buf.pos.shape[-1]) == exit_slot_BK[..., None])
-    return buf.replace(prio=jnp.where(at_exit, exit_prio_BK[..., None], buf.prio)), slot
+    prio = jnp.where(exit_present_BK, exit_prio_BK, read_side(buf.prio, exit_slot_BK))
+    return buf.replace(prio=put_side(buf.prio, exit_slot_BK, prio)), slot
 
 
 def write(buf: SlotBuffer, slot_BK, k_BKD, v_BKD, q_B) -> SlotBuffer:
@@ -141,8 +147,8 @@ def write(buf: SlotBuffer, slot_BK, k_BKD, v_BKD, q_B) -> SlotBuffer:
     b, h = jnp.arange(B)[:, None], jnp.arange(K)[None, :]
     return buf.replace(k=buf.k.at[b, h, slot_BK].set(k_BKD.astype(buf.k.dtype)),
                        v=buf.v.at[b, h, slot_BK].set(v_BKD.astype(buf.v.dtype)),
-                       pos=_put(buf.pos, slot_BK, jnp.broadcast_to(q_B[:, None], (B, K))),
-                       prio=_put(buf.prio, slot_BK, jnp.zeros((B, K))))
+                       pos=put_side(buf.pos, slot_BK, jnp.broadcast_to(q_B[:, None], (B, K))),
+                       prio=put_side(buf.prio, slot_BK, jnp.zeros((B, K))))
 
 
 def long_range_positions(buf: SlotBuffer, q_B, ev: EvictionConfig):

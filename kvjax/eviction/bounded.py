@@ -31,7 +31,7 @@ from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.cache.slots import (BoundedCache, SlotBuffer, exiting_slot, gather_tokens, init_buffer, place,
-                               prefill_buffer, read_slot, write)
+                               prefill_buffer, put_side, read_side, read_slot, write)
 from kvjax.models.attention import dense_attention
 
 
@@ -210,10 +210,9 @@ class AttentionStatistic(BoundedPolicy):
         q_B = positions[:, 0]
         buf = self.rank(buf, state)
         slot, present = exiting_slot(buf, q_B, ev)
-        buf, target = place(buf, q_B, slot, present, read_slot(buf.prio[..., None], slot)[..., 0], ev)
+        buf, target = place(buf, q_B, slot, present, read_side(buf.prio, slot), ev)
         buf = write(buf, target, k[:, 0], v[:, 0], q_B)
-        hit = jnp.arange(buf.pos.shape[-1]) == target[..., None]
-        state = SlotScores(jnp.where(hit, 0.0, state.score))
+        state = SlotScores(put_side(state.score, target, jnp.zeros(target.shape)))
         out, probs = slot_attention(q[:, 0], buf.k.astype(q.dtype), buf.v.astype(q.dtype), buf.pos >= 0)
         buf, state = self.refresh(buf, SlotScores(self.update_scores(state.score, probs.mean(axis=2))), q_B)
         return out[:, None], _replace(cache, layer, buf, state)

@@ -23,13 +23,19 @@ from kvjax.eviction.config import EvictionConfig
 from pallas_kernels.reference import grouped_attention
 
 
-def keep_among(pos_BKU, prio_BKU, budget_BK, q_BQ, ev: EvictionConfig):
-    """``bool [B, K, Q, U]``: which of ``U`` candidate tokens (positions ``pos``, ``-1`` =
-    none; priorities ``prio``) query ``q`` keeps, when the candidates include every token the
-    keep rule can keep at ``q`` (the module docstring)."""
+def rank_candidates(pos_BKU, prio_BKU):
+    """``(order, inverse)`` ``int [B, K, U]``: candidates best first (priority desc, ties to the
+    later position, absent ``pos = -1`` last) and each candidate's place in that order."""
+    order = jnp.lexsort((-pos_BKU, jnp.where(pos_BKU >= 0, -prio_BKU, jnp.inf)), axis=-1)
+    return order, jnp.argsort(order, axis=-1)
+
+
+def keep_among(pos_BKU, ranked, budget_BK, q_BQ, ev: EvictionConfig):
+    """``bool [B, K, Q, U]``: which of ``U`` candidate tokens (positions ``pos``, ``-1`` = none;
+    ``ranked`` from :func:`rank_candidates`) query ``q`` keeps, when the candidates include
+    every token the keep rule can keep at ``q`` (the module docstring)."""
+    order, inverse = ranked
     present = pos_BKU >= 0
-    order = jnp.lexsort((-pos_BKU, jnp.where(present, -prio_BKU, jnp.inf)), axis=-1)   # best first; ties: later
-    inverse = jnp.argsort(order, axis=-1)
     q = q_BQ[:, None, :, None]
     pos = pos_BKU[:, :, None, :]
     eligible = present[:, :, None] & (pos >= ev.sinks) & (pos <= q - ev.window)        # [B, K, Q, U]
@@ -67,11 +73,12 @@ def chunked_prefill(q_BSHD, k_BSKD, v_BSKD, prio_BKS, lengths_B, buf: SlotBuffer
         prio_u = jnp.concatenate([buf.prio, p_c], -1)
         k_u = jnp.concatenate([buf.k, k_c], axis=2)                           # [B, K, N + C, D]
         v_u = jnp.concatenate([buf.v, v_c], axis=2)
-        keep = keep_among(pos_u, prio_u, buf.budget, jnp.broadcast_to(pos_c, (B, chunk)), ev)
+        ranked = rank_candidates(pos_u, prio_u)                               # one sort for both rows of queries
+        keep = keep_among(pos_u, ranked, buf.budget, jnp.broadcast_to(pos_c, (B, chunk)), ev)
         out, _, _ = grouped_attention(q_c, k_u.astype(q_c.dtype), v_u.astype(q_c.dtype), allowed=keep[:, :, None],
                                       kv_layout="BKTD")
         last = jnp.minimum(lengths_B - 1, i * chunk + chunk - 1)              # each row's last query so far
-        kept = keep_among(pos_u, prio_u, buf.budget, last[:, None], ev)[:, :, 0]   # [B, K, N + C]
+        kept = keep_among(pos_u, ranked, buf.budget, last[:, None], ev)[:, :, 0]   # [B, K, N + C]
         idx = jnp.argsort(~kept, axis=-1, stable=True)[..., :N]              # kept first (at most N of them)
         take = lambda x: jnp.take_along_axis(x, idx, axis=-1)  # noqa: E731
         take_kv = lambda x: jnp.take_along_axis(x, idx[..., None], axis=2)  # noqa: E731

@@ -43,7 +43,8 @@ class _Learned(StaticPriority):
         return None
 
     def export_sizes(self) -> dict:
-        raise NotImplementedError
+        """The scorer's sizes for ``scorer_config.json`` (each learned policy gives its own)."""
+        raise NotImplementedError(f"policy {self.name!r} defines no export_sizes()")
 
     @classmethod
     def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):

@@ -205,10 +205,6 @@ class EvictionSection(EvictionConfig):
         if self.kd_topk < 0:
             raise ValueError(f"eviction.kd_topk must be >= 0, got {self.kd_topk}")
 
-    def budget_config(self) -> EvictionConfig:
-        """The plain :class:`EvictionConfig` (what a policy built from this run runs with)."""
-        return EvictionConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EvictionConfig)})
-
 
 @dataclass(frozen=True)
 class TrainConfig:
