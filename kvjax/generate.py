@@ -112,7 +112,17 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
     key, sub = jax.random.split(key)
     pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     first = pick(model.logits(last)[:, 0], sub)
+    return decode_loop(model, backend, state, first, lengths_B, key, max_new, pick, new_cap=new_cap,
+                       eos_ids=eos_ids, pad_id=pad_id)
+
+
+def decode_loop(model, backend, state, first_B, next_pos_B, key, max_new, pick, *, new_cap: int,
+                eos_ids: tuple[int, ...], pad_id: int):
+    """The decode ``lax.while_loop`` (inside a jit): ``first_B`` is every row's first new
+    token, fed at position ``next_pos_B``; stops when every row has emitted an EOS or
+    ``max_new`` tokens. Returns the new tokens ``int32 [B, new_cap]`` (``pad_id`` after EOS)."""
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+    B = first_B.shape[0]
 
     def cond(c):
         i, _, done, _, _, _ = c
@@ -123,11 +133,11 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
         tok = jnp.where(done, pad_id, tok)
         out = out.at[:, i].set(tok)
         done = done | jnp.isin(tok, eos)
-        h, state = model(tok[:, None], (lengths_B + i)[:, None], backend, state)
+        h, state = model(tok[:, None], (next_pos_B + i)[:, None], backend, state)
         key, sub = jax.random.split(key)
         return i + 1, pick(model.logits(h)[:, 0], sub), done, state, out, key
 
-    init = (jnp.int32(0), first, jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32), key)
+    init = (jnp.int32(0), first_B, jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32), key)
     return jax.lax.while_loop(cond, body, init)[4]
 
 

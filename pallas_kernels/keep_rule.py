@@ -16,17 +16,20 @@ import jax
 import jax.numpy as jnp
 
 
-def dense_keep_mask(rank_XS, cutoff_XS, sinks: int, window: int) -> jax.Array:
-    """``bool [..., S, S]``: ``[.., q, t]`` true where query ``q`` keeps key ``t``."""
-    S = rank_XS.shape[-1]
-    return _dense_keep(rank_XS, cutoff_XS, min(int(sinks), S + 1), min(int(window), S + 1))  # larger values act alike
+def dense_keep_mask(rank_XS, cutoff_XS, sinks: int, window: int, *, first_row: int = 0) -> jax.Array:
+    """``bool [..., Q, T]``: ``[.., q, t]`` true where query ``first_row + q`` keeps key ``t``.
+
+    ``rank [..., T]`` of keys ``0..T-1``; ``cutoff [..., Q]`` of queries ``first_row..first_row + Q - 1``
+    (by default every query of the sequence: ``Q = T``, an ``S x S`` mask)."""
+    T = rank_XS.shape[-1]
+    return _dense_keep(rank_XS, cutoff_XS, min(int(sinks), T + 1), min(int(window), T + 1),  # larger values act alike
+                       first_row=int(first_row))
 
 
-@jax.jit
-def _dense_keep(rank_XS, cutoff_XS, sinks, window):
-    S = rank_XS.shape[-1]
-    q_Q1 = jnp.arange(S)[:, None]
-    t_1T = jnp.arange(S)[None, :]
+@functools.partial(jax.jit, static_argnames=("first_row",))
+def _dense_keep(rank_XS, cutoff_XS, sinks, window, *, first_row: int):
+    q_Q1 = first_row + jnp.arange(cutoff_XS.shape[-1])[:, None]
+    t_1T = jnp.arange(rank_XS.shape[-1])[None, :]
     eligible_QT = (t_1T >= sinks) & (t_1T <= q_Q1 - window)
     kept_XQT = eligible_QT & (rank_XS[..., None, :] <= cutoff_XS[..., :, None])
     return (t_1T <= q_Q1) & ((t_1T < sinks) | (t_1T > q_Q1 - window) | kept_XQT)

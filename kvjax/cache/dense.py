@@ -32,20 +32,24 @@ class DenseCache:
 
 
 def dense_cache_attention(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: DenseCache, *,
-                          span: int | None = None, visible_BKST=None):
+                          span: int | None = None, visible_BKST=None, prefill: bool = False):
     """Attention backend: write the new keys/values at their positions, attend causally;
     with ``span``, over slots ``[0, span)`` only (the caller knows no query reaches past it);
-    ``visible_BKST`` (bool, broadcastable to ``[B, K, S, span or T]``) hides further slots per KV head."""
+    ``visible_BKST`` (bool, broadcastable to ``[B, K, S, span or T]``) hides further slots per KV head.
+    ``prefill``: the ``S`` queries are positions ``0..S-1`` (a prompt into an empty cache), so
+    they attend over slots ``[0, S)`` in causal query blocks (``dense_attention(prefill=True)``)."""
     B, K = q_BSHD.shape[0], k_BSKD.shape[2]
     # every axis but D indexed ([B, K, S] indices): XLA:CPU writes this scatter in place, measured
     # 2x faster than indexing (row, :, position) at 32k slots
     at = (jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], positions_BS[:, None, :])
     k_all = cache.k[layer].at[at].set(jnp.swapaxes(k_BSKD, 1, 2).astype(cache.k[layer].dtype))   # [B, K, T, D]
     v_all = cache.v[layer].at[at].set(jnp.swapaxes(v_BSKD, 1, 2).astype(cache.v[layer].dtype))
-    T = k_all.shape[2] if span is None else span
+    T = q_BSHD.shape[1] if prefill else k_all.shape[2] if span is None else span
     k_pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    if visible_BKST is not None and visible_BKST.shape[-1] > T:
+        visible_BKST = visible_BKST[..., :T]
     out, _ = dense_attention(q_BSHD, k_all[:, :, :T].astype(q_BSHD.dtype), v_all[:, :, :T].astype(q_BSHD.dtype),
-                             positions_BS, k_pos, visible_BST=visible_BKST, kv_layout="BKTD")
+                             positions_BS, k_pos, visible_BST=visible_BKST, kv_layout="BKTD", prefill=prefill)
     ks = cache.k[:layer] + (k_all,) + cache.k[layer + 1:]
     vs = cache.v[:layer] + (v_all,) + cache.v[layer + 1:]
     return out, cache.replace(k=ks, v=vs)
@@ -63,4 +67,5 @@ class DenseKV:
         return DenseCache.init(cfg, batch, max_len, dtype)
 
     def backend(self, params, layer, q, k, v, positions, state):
-        return dense_cache_attention(layer, q, k, v, positions, state)
+        """A call with ``S > 1`` queries is a prompt from position 0, as for every policy."""
+        return dense_cache_attention(layer, q, k, v, positions, state, prefill=q.shape[1] > 1)

@@ -57,17 +57,26 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     return protected | (eligible & (rank < n_top))
 
 
+def attend_kept(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
+    """Attention backend after the compression: any number of queries at any positions see
+    the kept context plus every later token (causal), and evict nothing."""
+    out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache.dense,
+                                       visible_BKST=cache.keep[layer][:, :, None, :])
+    return out, cache.replace(dense=dense)
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptCompressed:
     """``ranker`` (any bounded policy; its configured ``sinks``/``window`` are used, its
     ``topk`` is not: the ratio sets the budget) compresses each
     row's first ``params["context"][b]`` prompt tokens to ``round((1 - ratio) n_b)``.
 
-    Build with :func:`prompt_compressed`, which puts the context lengths into ``params``.
+    Build with :func:`prompt_compressed`, which puts the context lengths and the ratio into
+    ``params`` (traced: one compiled program serves every ratio).
     """
 
     ranker: BoundedPolicy
-    ratio: float
+    ratio: float = dataclasses.field(compare=False)
     params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     static = False
 
@@ -84,39 +93,41 @@ class PromptCompressed:
                                self.ranker.head_budgets(params["ranker"], cfg, batch),
                                self.ranker.init_policy_state(params["ranker"], cfg, batch) if self.ranker.static else ())
 
-    def head_keep(self, budgets_BK, context_B) -> jax.Array:
+    def head_keep(self, budgets_BK, context_B, ratio=None) -> jax.Array:
         """``int32 [B, K]``: context tokens each head keeps (sinks + window + its share of the top)."""
         ev, topk = self.ranker.config, self.ranker.effective().topk      # StreamingLLM: topk 0, all recency
-        total = jnp.round((1.0 - self.ratio) * context_B).astype(jnp.int32)              # c_b
+        ratio = self.ratio if ratio is None else ratio
+        total = jnp.round((1.0 - ratio) * context_B).astype(jnp.int32)                   # c_b
         top = jnp.maximum(total - ev.sinks - ev.window, 0)[:, None]
         share = (budgets_BK * top) // topk if topk > 0 else top
         return ev.sinks + ev.window + jnp.broadcast_to(share, budgets_BK.shape)
 
-    def _priority(self, params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context_B, state):
-        r = self.ranker
+    def layer_keep(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
+        """``bool [B, K, T]``: this layer's visible slots after the compression (the kept
+        context and every slot past it), from the prompt's queries, keys and values (the
+        context's at least: only ``t < n_b`` is ranked; ``q`` is used by attention statistics)."""
+        r, ev, context = self.ranker, self.ranker.config, params["context"]
         if r.static:
-            return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context_B, state)[0]
-        return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context_B)
+            prio = r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context,
+                                      cache.policy_state[layer] if cache.policy_state else None)[0]
+        else:
+            prio = r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context)
+        kept = keep_context(prio, context, self.head_keep(cache.budgets[layer], context, params["ratio"]),
+                            sinks=ev.sinks, window=ev.window)
+        T, S = cache.keep[layer].shape[-1], kept.shape[-1]
+        t = jnp.arange(T)[None, None, :]
+        return (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - S)))
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
-        S = q_BSHD.shape[1]
-        keep = cache.keep[layer]
-        if S > 1:       # prefill: dense over the context, compress it, the question sees what is kept
-            ev = self.ranker.config
-            context = params["context"]
-            prio = self._priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, context,
-                                  cache.policy_state[layer] if cache.policy_state else None)
-            kept = keep_context(prio, context, self.head_keep(cache.budgets[layer], context),
-                                sinks=ev.sinks, window=ev.window)
-            T = keep.shape[-1]
-            t = jnp.arange(T)[None, None, :]
-            keep = (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - S)))
-            in_context = positions_BS < context[:, None]                                  # [B, S]
-            visible = keep[:, :, None, :] | in_context[:, None, :, None]
-        else:
-            visible = keep[:, :, None, :]
+        """A prompt (``S > 1``, from position 0) attends densely over the context and the question
+        sees what is kept; later calls attend under the kept set (:func:`attend_kept`)."""
+        if q_BSHD.shape[1] == 1:
+            return attend_kept(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+        keep = self.layer_keep(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache)
+        in_context = positions_BS < params["context"][:, None]                             # [B, S]
+        visible = keep[:, :, None, :] | in_context[:, None, :, None]
         out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache.dense,
-                                           visible_BKST=visible)
+                                           visible_BKST=visible, prefill=True)
         keeps = cache.keep[:layer] + (keep,) + cache.keep[layer + 1:]
         return out, cache.replace(dense=dense, keep=keeps)
 
@@ -136,4 +147,5 @@ def prompt_compressed(ranker: BoundedPolicy, ratio: float, context_lengths_B) ->
     if small.size:
         raise ValueError(f"ratio {ratio} of a {int(small[0])}-token context keeps fewer tokens than "
                          f"sinks + window = {ev.sinks + ev.window}")
-    return PromptCompressed(ranker, float(ratio), {"ranker": ranker.params, "context": jnp.asarray(n)})
+    return PromptCompressed(ranker, float(ratio), {"ranker": ranker.params, "context": jnp.asarray(n),
+                                                   "ratio": jnp.float32(ratio)})

@@ -12,7 +12,9 @@ slower). With ``prefill: auto`` those three prefill densely and compress once wh
 prompt ends (``generate``'s default); each record says which (``prefill``) and the table
 marks dense-prefill rows with †. With ``prefill: compressed`` every policy runs in kvpress's
 setting (:mod:`kvjax.eviction.prompt_compressed`): dense prefill, the context (not the
-question) compressed once to ``round((1 - c) * n)`` tokens per head, then nothing is evicted.
+question) compressed once to ``round((1 - c) * n)`` tokens per head, then nothing is evicted; the
+dense context pass is run once per batch and shared by every policy and compression
+(:mod:`kvjax.eviction.shared_prefill`, equal to one pass per policy).
 The hindsight oracles rank by the dense model's future attention over its own prompt + answer.
 
 Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
@@ -67,12 +69,14 @@ class LongCtxConfig:
     #                                                 compressed: kvpress's setting (dense prefill, context compressed once)
     max_new: int = 32
     batch_size: int = 8
+    batch_at: dict[int, int] = field(default_factory=dict)      # per-length override, e.g. {4096: 4}
     seed: int = 0
     model_dir: str | None = None            # HF folder; default: SmolLM2 via kvjax.real_model
     out_dir: str = "runs/longctx/smollm2"
 
     def __post_init__(self):
-        object.__setattr__(self, "problems_at", {int(k): int(v) for k, v in self.problems_at.items()})
+        for name in ("problems_at", "batch_at"):
+            object.__setattr__(self, name, {int(k): int(v) for k, v in getattr(self, name).items()})
         bad = [t for t in self.tasks if t not in TASKS]
         if bad:
             raise ValueError(f"tasks: unknown task {bad[0]!r}; known: {', '.join(TASKS)}")
@@ -85,8 +89,8 @@ class LongCtxConfig:
                                      f"not more than sinks + window = {self.sinks + self.window}")
         if self.prefill not in ("bounded", "auto", "compressed"):
             raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
-        if min(self.problems, self.batch_size, self.max_new) < 1:
-            raise ValueError("problems, batch_size and max_new must be >= 1")
+        if min(self.problems, self.batch_size, self.max_new, *self.batch_at.values(), *self.problems_at.values()) < 1:
+            raise ValueError("problems, batch_size, max_new and every problems_at / batch_at value must be >= 1")
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
@@ -120,6 +124,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.policies import make_policy
     from kvjax.eviction.prompt_compressed import prompt_compressed
+    from kvjax.eviction.shared_prefill import answer as shared_answer
+    from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
     from kvjax.export import config_hash
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
@@ -145,9 +151,10 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
         work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
         for length in cfg.lengths:
             n = cfg.problems_at.get(length, cfg.problems)
-            items = [(task, i) for task in cfg.tasks for i in range(n)]
-            for j in range(0, len(items), cfg.batch_size):
-                work.append((length, items[j:j + cfg.batch_size]))
+            items = [(task, i) for i in range(n) for task in cfg.tasks]    # a stopped run: equal N per task
+            size = cfg.batch_at.get(length, cfg.batch_size)
+            for j in range(0, len(items), size):
+                work.append((length, items[j:j + size]))
         per_batch = 1 + (len(names) - 1) * len(cfg.compressions)
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
         for length, items in work:
@@ -160,7 +167,23 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             mask = np.zeros_like(tokens)
             for b, r in enumerate(ids):
                 tokens[b, : len(r)], mask[b, : len(r)] = r, 1
-            dense_new, oracles = None, {}
+            dense_new, oracles, shared = None, {}, {}
+
+            def run_policy(policy) -> np.ndarray:
+                """New tokens ``[B, max_new]`` of ``policy`` (None: dense) on this batch. Prefill
+                compression shares one dense context pass among all policies (shared_prefill)."""
+                if cfg.prefill == "compressed":
+                    if "pre" not in shared:
+                        shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
+                                                        cache_len=bucket(S) + bucket(cfg.max_new),
+                                                        keep_queries=any(map(dense_prefill, names)))
+                    cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"])
+                    return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
+                                         eos_ids=stops.tolist(), pad_id=int(stops[0]))
+                stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
+                return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
+                                                 eos_token_id=stops.tolist(),
+                                                 prefill="stepwise" if stepwise else "auto"))[:, S:]
 
             def answer(make_policy_, name, comp):
                 """``make_policy_()`` builds the policy only when some record is missing."""
@@ -174,9 +197,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     policy = prompt_compressed(policy, comp, context)
                 stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 t0 = time.time()
-                out = np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
-                                                eos_token_id=stops.tolist(),
-                                                prefill="stepwise" if stepwise else "auto"))[:, S:]
+                out = run_policy(policy)
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out
@@ -192,8 +213,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 nonlocal dense_new
                 if kind not in oracles:
                     if dense_new is None:      # resumed: the dense answers again (greedy, the same tokens)
-                        dense_new = np.asarray(kvjax.generate(model, tokens, cfg.max_new, attention_mask=mask,
-                                                              eos_token_id=stops.tolist()))[:, S:]
+                        dense_new = run_policy(None)
                     full = [r + a for r, a in zip(ids, _answers(dense_new, stops))]
                     T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
                     seq = np.full((len(full), T), int(stops[0]), np.int32)

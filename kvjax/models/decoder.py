@@ -47,8 +47,9 @@ def rms_norm(x, weight, eps: float):
 
 
 def causal_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
-    """Backend without a cache: dense causal attention over the given keys."""
-    out, _ = dense_attention(q_BSHD, k_BSKD, v_BSKD, positions_BS, positions_BS)
+    """Backend without a cache: dense causal attention over the given keys (positions grow
+    along the sequence, so it runs in causal query blocks)."""
+    out, _ = dense_attention(q_BSHD, k_BSKD, v_BSKD, positions_BS, positions_BS, prefill=True)
     return out, state
 
 

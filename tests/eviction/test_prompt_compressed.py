@@ -115,3 +115,34 @@ def test_learned_head_budgets_split_the_same_total():
     want = 12 + (np.array([40, 20, 0])[None] * (c[:, None] - 12)) // 20
     np.testing.assert_array_equal(got, want)
     assert (got.sum(1) <= 3 * c).all()
+
+
+def test_one_shared_prefill_answers_like_the_one_pass_prefill(mqa):
+    """``shared_prefill``: the dense context pass once, then per policy the compression, the
+    question as one chunk and greedy decoding give exactly ``generate``'s tokens, for every
+    ranker kind, with contexts and questions of different lengths per row and two ratios."""
+    from kvjax.eviction.shared_prefill import answer, compress, prefill_context
+    from kvjax.sampling import bucket
+
+    model, _ = mqa
+    rs = np.random.RandomState(4)
+    # no token twice in a row's context: K-norm ties a repeated token with itself (RoPE keeps
+    # the norm), and rounding breaks such ties differently in the two computations
+    ctx = [rs.permutation(np.arange(3, 97))[:n].tolist() for n in (60, 41, 52)]
+    qs = [rs.randint(3, 97, n).tolist() for n in (5, 9, 1)]
+    n = [len(c) for c in ctx]
+    new = 7
+    pre = prefill_context(model, ctx, cache_len=bucket(70) + bucket(new), keep_queries=True)
+    ev = kvjax.EvictionConfig(2, 4, 8)
+    for name in ("knorm", "streaming_llm", "snapkv", "h2o", "tova", "random"):
+        for ratio in (0.5, 0.75):
+            pol = prompt_compressed(kvjax.make_policy(name, ev), ratio, n)
+            want = np.asarray(kvjax.generate(model, [c + q for c, q in zip(ctx, qs)], new, policy=pol,
+                                             eos_token_id=[]))[:, -new:]
+            got = answer(model, compress(pol, model, pre), qs, n, new, eos_ids=[])
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} at {ratio}")
+    with pytest.raises(ValueError, match="other context lengths"):
+        compress(prompt_compressed(kvjax.make_policy("knorm", ev), 0.5, [60, 41, 50]), model, pre)
+    with pytest.raises(ValueError, match="keep_queries=True"):
+        compress(prompt_compressed(kvjax.make_policy("snapkv", ev), 0.5, n), model,
+                 prefill_context(model, ctx, cache_len=128, keep_queries=False))

@@ -206,3 +206,33 @@ def test_kernels_lower_for_their_platform(backend, platform, marker):
     for fn, args in cases:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
         assert marker in text.lower()
+
+
+@pytest.mark.parametrize("kv_layout", ["BTKD", "BKTD"])
+def test_causal_blocks_equal_one_grouped_attention(kv_layout):
+    """The references' causal prefill in query blocks (a block size that does not divide S,
+    keys past S present and ignored) gives the full formulation's output and LSE, and the
+    keep-rule reference built block by block equals the one from the whole S x S mask."""
+    from pallas_kernels.keep_rule import dense_keep_mask
+
+    rs = np.random.RandomState(5)
+    B, S, T, K, G, D = 2, 45, 53, 2, 3, 8
+    q = jnp.asarray(rs.randn(B, S, K * G, D), jnp.float32)
+    shape = (B, T, K, D) if kv_layout == "BTKD" else (B, K, T, D)
+    k, v = jnp.asarray(rs.randn(*shape), jnp.float32), jnp.asarray(rs.randn(*shape), jnp.float32)
+    tri = np.arange(T)[None, :] <= np.arange(S)[:, None]
+    mask = jnp.asarray(tri[None, None, None] & ((rs.rand(B, K, 1, S, T) < 0.6) | np.eye(S, T, dtype=bool)))
+    want_out, want_lse, _ = reference.grouped_attention(q, k, v, allowed=mask, kv_layout=kv_layout)
+    got_out, got_lse = reference.causal_attention(q, k, v, allowed=lambda s0, e: mask[:, :, :, s0:e, :e],
+                                                  kv_layout=kv_layout, block=16)
+    np.testing.assert_allclose(got_out, want_out, atol=2e-6)
+    np.testing.assert_allclose(got_lse, want_lse, atol=2e-6)
+
+    qs, ks, vs, prio = _inputs(2, 300, 2, 2, 8, seed=6)
+    ck = compact_keep(prio, sinks=3, window=7, topk=40, block_q=32, block_k=32)
+    full = dense_keep_mask(ck.rank, ck.cutoff, 3, 7)
+    want_out, want_lse, _ = reference.grouped_attention(qs, ks, vs, allowed=full[:, :, None])
+    got_out, got_lse = reference.sparse_attention(qs, ks, vs, ck.rank, ck.cutoff, sinks=3, window=7)
+    assert reference.CAUSAL_BLOCK < 300                                  # more than one block ran
+    np.testing.assert_allclose(got_out, want_out, atol=2e-6)
+    np.testing.assert_allclose(got_lse, want_lse, atol=2e-6)

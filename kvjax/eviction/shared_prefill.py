@@ -1,0 +1,143 @@
+"""Many prefill-compression policies on one dense prefill (kvpress's setting, evaluated fast).
+
+In :mod:`kvjax.eviction.prompt_compressed`'s setting the context's keys and values do not
+depend on the policy: a context query sees every context token before it. So
+
+1. :func:`prefill_context` runs the dense pass over the contexts once (``[B, S]``, right
+   padded, row ``b``'s context ``n_b`` tokens), keeping each layer's queries when an
+   attention-statistic ranker will need them;
+2. :func:`compress` ranks that cache for one :class:`PromptCompressed` policy: per layer the
+   same kept set as the one-pass prefill (:meth:`PromptCompressed.layer_keep`);
+3. :func:`answer` feeds each row's question as one chunk at positions ``n_b ..`` under the
+   kept set, then decodes greedily (:func:`kvjax.generate.decode_loop`).
+
+Per policy only steps 2 and 3 run: a question of ``Q`` tokens instead of the whole prompt.
+The tokens equal ``kvjax.generate(model, context + question, policy=prompt_compressed(...))``
+(tested), since the question sees exactly the kept context in both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
+from kvjax.eviction.prompt_compressed import PromptCompressed, attend_kept
+from kvjax.generate import decode_loop
+from kvjax.sampling import bucket
+
+
+@struct.dataclass
+class ContextPrefill:
+    dense: DenseCache              # the contexts' keys and values, slots [0, S) of T
+    queries: tuple | None          # per layer [B, S, H, D] (attention-statistic rankers), or None
+    context: jax.Array             # int32 [B]: n_b
+
+
+def _recording_backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
+    dense, queries = state
+    out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=True)
+    if queries is not None:
+        queries = queries[:layer] + (q_BSHD,) + queries[layer + 1:]
+    return out, (dense, queries)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("cache_len", "keep_queries"))
+def _prefill(graphdef, params, tokens_BS, *, cache_len: int, keep_queries: bool):
+    model = nnx.merge(graphdef, params)
+    cfg = model.config
+    B, S = tokens_BS.shape
+    queries = tuple(jnp.zeros((B, S, cfg.num_heads, cfg.head_dim), model.dtype)
+                    for _ in range(cfg.num_layers)) if keep_queries else None
+    _, (dense, queries) = model(tokens_BS, None, _recording_backend,
+                                (DenseCache.init(cfg, B, cache_len, model.dtype), queries))
+    return dense, queries
+
+
+def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_id: int = 0) -> ContextPrefill:
+    """The dense pass over ``contexts`` (a list of token lists), padded to a length bucket;
+    ``cache_len`` slots (the longest context + question + answer, at least)."""
+    n = np.asarray([len(c) for c in contexts], np.int32)
+    if n.min() < 1:
+        raise ValueError("contexts: every row needs at least one token")
+    S = bucket(int(n.max()))
+    if cache_len < S:
+        raise ValueError(f"cache_len {cache_len} is shorter than the padded contexts ({S} tokens)")
+    tokens = np.full((len(contexts), S), pad_id, np.int32)
+    for b, c in enumerate(contexts):
+        tokens[b, :len(c)] = c
+    graphdef, params = nnx.split(model)
+    dense, queries = _prefill(graphdef, params, jnp.asarray(tokens), cache_len=cache_len, keep_queries=keep_queries)
+    return ContextPrefill(dense, queries, jnp.asarray(n))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill) -> CompressedCache:
+    B, K, T, _ = pre.dense.k[0].shape
+    S = pre.queries[0].shape[1] if pre.queries is not None else None
+    cache = policy.init(params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
+    keeps = []
+    for layer in range(cfg.num_layers):
+        n = S or T
+        k = jnp.swapaxes(pre.dense.k[layer][:, :, :n], 1, 2)            # [B, n, K, D]
+        v = jnp.swapaxes(pre.dense.v[layer][:, :, :n], 1, 2)
+        q = pre.queries[layer] if pre.queries is not None else None
+        positions = jnp.broadcast_to(jnp.arange(n), (B, n))
+        keeps.append(policy.layer_keep(params, layer, q, k, v, positions, cache))
+    return cache.replace(dense=pre.dense, keep=tuple(keeps))
+
+
+def compress(policy: PromptCompressed, model, pre: ContextPrefill) -> CompressedCache:
+    """``policy``'s compressed cache from the shared prefill (its context lengths must be
+    ``pre.context``)."""
+    if not np.array_equal(np.asarray(policy.params["context"]), np.asarray(pre.context)):
+        raise ValueError("compress: the policy was built for other context lengths than the prefill's")
+    if not policy.ranker.static and pre.queries is None:
+        raise ValueError(f"compress: {policy.ranker.name!r} ranks by attention; prefill_context(keep_queries=True)")
+    return _compress(policy, policy.params, model.config, pre)
+
+
+def uncompressed(pre: ContextPrefill) -> CompressedCache:
+    """The shared prefill with every slot visible: :func:`answer` then gives the dense model's tokens."""
+    B, K, T, _ = pre.dense.k[0].shape
+    keep = tuple(jnp.ones((B, K, T), bool) for _ in pre.dense.k)
+    return CompressedCache(pre.dense, keep, jnp.zeros((len(keep), B, K), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("new_cap", "eos_ids", "pad_id"))
+def _answer(graphdef, params, cache, question_BQ, question_B, context_B, max_new, *, new_cap: int,
+            eos_ids: tuple[int, ...], pad_id: int):
+    model = nnx.merge(graphdef, params)
+    Q = question_BQ.shape[1]
+    positions = context_B[:, None] + jnp.arange(Q)[None, :]
+    hidden, cache = model(question_BQ, positions, attend_kept, cache)
+    last = jnp.take_along_axis(hidden, (question_B - 1)[:, None, None], axis=1)
+    pick = lambda logits, _key: jnp.argmax(logits, axis=-1).astype(jnp.int32)      # noqa: E731  greedy
+    first = pick(model.logits(last)[:, 0], None)
+    return decode_loop(model, attend_kept, cache, first, context_B + question_B, jax.random.key(0), max_new,
+                       pick, new_cap=new_cap, eos_ids=eos_ids, pad_id=pad_id)
+
+
+def answer(model, cache: CompressedCache, questions, context_B, max_new: int, *, eos_ids, pad_id: int = 0) -> np.ndarray:
+    """Greedy new tokens ``int32 [B, max_new]`` (``pad_id`` after a row's EOS): each row's
+    question (a list of token lists, each non-empty) at positions ``n_b ..``, then decoding,
+    all under the kept set."""
+    q = np.asarray([len(x) for x in questions], np.int32)
+    if q.min() < 1:
+        raise ValueError("questions: every row needs at least one token")
+    Q, N = bucket(int(q.max())), bucket(int(max_new))
+    T = cache.keep[0].shape[-1]
+    need = int(np.max(np.asarray(context_B) + q)) + N
+    if need > T:
+        raise ValueError(f"the cache holds {T} slots; contexts + questions + max_new need {need}")
+    tokens = np.full((len(questions), Q), pad_id, np.int32)
+    for b, x in enumerate(questions):
+        tokens[b, :len(x)] = x
+    graphdef, params = nnx.split(model)
+    out = _answer(graphdef, params, cache, jnp.asarray(tokens), jnp.asarray(q), jnp.asarray(context_B, jnp.int32),
+                  jnp.int32(max_new), new_cap=N, eos_ids=tuple(int(e) for e in eos_ids), pad_id=int(pad_id))
+    return np.asarray(out)[:, :max_new]
