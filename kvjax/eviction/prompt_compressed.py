@@ -102,21 +102,29 @@ class PromptCompressed:
         share = (budgets_BK * top) // topk if topk > 0 else top
         return ev.sinks + ev.window + jnp.broadcast_to(share, budgets_BK.shape)
 
-    def layer_keep(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
-        """``bool [B, K, T]``: this layer's visible slots after the compression (the kept
-        context and every slot past it), from the prompt's queries, keys and values (the
-        context's at least: only ``t < n_b`` is ranked; ``q`` is used by attention statistics)."""
-        r, ev, context = self.ranker, self.ranker.config, params["context"]
+    def priority(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, state) -> jax.Array:
+        """``[B, K, S]``: the ranker's priority of each prompt token (static priorities from keys and
+        values, attention statistics from the prompt's causal attention; only ``t < n_b`` is used)."""
+        r = self.ranker
         if r.static:
-            prio = r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, context,
-                                      cache.policy_state[layer] if cache.policy_state else None)[0]
-        else:
-            prio = r.prefill_scores(causal_probs(q_BSHD, k_BSKD), context)
-        kept = keep_context(prio, context, self.head_keep(cache.budgets[layer], context, params["ratio"]),
+            return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, params["context"],
+                                      state)[0]
+        return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), params["context"])
+
+    def keep_from_priority(self, params, prio_BKS, budgets_BK, T: int) -> jax.Array:
+        """``bool [B, K, T]``: the visible slots after the compression: the kept context and every
+        slot past it."""
+        ev, context = self.ranker.config, params["context"]
+        kept = keep_context(prio_BKS, context, self.head_keep(budgets_BK, context, params["ratio"]),
                             sinks=ev.sinks, window=ev.window)
-        T, S = cache.keep[layer].shape[-1], kept.shape[-1]
         t = jnp.arange(T)[None, None, :]
-        return (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - S)))
+        return (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - kept.shape[-1])))
+
+    def layer_keep(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
+        """This layer's :meth:`keep_from_priority` from the prompt's queries, keys and values."""
+        prio = self.priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS,
+                             cache.policy_state[layer] if cache.policy_state else None)
+        return self.keep_from_priority(params, prio, cache.budgets[layer], cache.keep[layer].shape[-1])
 
     def backend(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
         """A prompt (``S > 1``, from position 0) attends densely over the context and the question

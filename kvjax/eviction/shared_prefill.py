@@ -34,7 +34,7 @@ from kvjax.sampling import bucket
 @struct.dataclass
 class ContextPrefill:
     dense: DenseCache              # the contexts' keys and values, slots [0, S) of T
-    queries: tuple | None          # per layer [B, S, H, D] (attention-statistic rankers), or None
+    queries: jax.Array | None      # [L, B, S, H, D] (attention-statistic rankers), or None
     context: jax.Array             # int32 [B]: n_b
 
 
@@ -42,7 +42,7 @@ def _recording_backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
     dense, queries = state
     out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=True)
     if queries is not None:
-        queries = queries[:layer] + (q_BSHD,) + queries[layer + 1:]
+        queries = queries.at[layer].set(q_BSHD.astype(queries.dtype))
     return out, (dense, queries)
 
 
@@ -51,8 +51,7 @@ def _prefill(graphdef, params, tokens_BS, *, cache_len: int, keep_queries: bool)
     model = nnx.merge(graphdef, params)
     cfg = model.config
     B, S = tokens_BS.shape
-    queries = tuple(jnp.zeros((B, S, cfg.num_heads, cfg.head_dim), model.dtype)
-                    for _ in range(cfg.num_layers)) if keep_queries else None
+    queries = jnp.zeros((cfg.num_layers, B, S, cfg.num_heads, cfg.head_dim), model.dtype) if keep_queries else None
     _, (dense, queries) = model(tokens_BS, None, _recording_backend,
                                 (DenseCache.init(cfg, B, cache_len, model.dtype), queries))
     return dense, queries
@@ -78,17 +77,22 @@ def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill) -> CompressedCache:
     B, K, T, _ = pre.dense.k[0].shape
-    S = pre.queries[0].shape[1] if pre.queries is not None else None
     cache = policy.init(params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
-    keeps = []
-    for layer in range(cfg.num_layers):
-        n = S or T
-        k = jnp.swapaxes(pre.dense.k[layer][:, :, :n], 1, 2)            # [B, n, K, D]
-        v = jnp.swapaxes(pre.dense.v[layer][:, :, :n], 1, 2)
-        q = pre.queries[layer] if pre.queries is not None else None
-        positions = jnp.broadcast_to(jnp.arange(n), (B, n))
-        keeps.append(policy.layer_keep(params, layer, q, k, v, positions, cache))
-    return cache.replace(dense=pre.dense, keep=tuple(keeps))
+    if policy.ranker.static:        # priorities from keys and values, each layer's scorer its own
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        keeps = tuple(policy.layer_keep(params, layer, None, jnp.swapaxes(pre.dense.k[layer], 1, 2),
+                                        jnp.swapaxes(pre.dense.v[layer], 1, 2), positions, cache)
+                      for layer in range(cfg.num_layers))
+    else:                           # attention statistics: one layer at a time (one S x S at a time)
+        S = pre.queries.shape[2]
+        k_LBSKD = jnp.stack([jnp.swapaxes(k[:, :, :S], 1, 2) for k in pre.dense.k])
+
+        def one(x):
+            q, k, budgets = x
+            return policy.keep_from_priority(params, policy.priority(params, 0, q, k, None, None, None), budgets, T)
+
+        keeps = tuple(jax.lax.map(one, (pre.queries, k_LBSKD, cache.budgets)))
+    return cache.replace(dense=pre.dense, keep=keeps)
 
 
 def compress(policy: PromptCompressed, model, pre: ContextPrefill) -> CompressedCache:
