@@ -169,6 +169,10 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 tokens[b, : len(r)], mask[b, : len(r)] = r, 1
             dense_new, oracles, shared = None, {}, {}
 
+            def stepwise(policy) -> bool:
+                """Bounded throughout, attention statistics feed the prompt token by token."""
+                return policy is not None and not policy.static and cfg.prefill == "bounded"
+
             def run_policy(policy) -> np.ndarray:
                 """New tokens ``[B, max_new]`` of ``policy`` (None: dense) on this batch. Prefill
                 compression shares one dense context pass among all policies (shared_prefill)."""
@@ -180,10 +184,9 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"])
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
                                          eos_ids=stops.tolist(), pad_id=int(stops[0]))
-                stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
                                                  eos_token_id=stops.tolist(),
-                                                 prefill="stepwise" if stepwise else "auto"))[:, S:]
+                                                 prefill="stepwise" if stepwise(policy) else "auto"))[:, S:]
 
             def answer(make_policy_, name, comp):
                 """``make_policy_()`` builds the policy only when some record is missing."""
@@ -195,14 +198,13 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 policy = make_policy_()
                 if policy is not None and cfg.prefill == "compressed":
                     policy = prompt_compressed(policy, comp, context)
-                stepwise = policy is not None and not policy.static and cfg.prefill == "bounded"
                 t0 = time.time()
                 out = run_policy(policy)
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out
                 prefill = ("dense" if policy is None else "compressed" if cfg.prefill == "compressed"
-                           else "bounded" if policy.static or stepwise else "dense")
+                           else "bounded" if policy.static or stepwise(policy) else "dense")
                 store.add([{"key": k, "task": p.task, "index": p.index, "length": length, "tokens": len(r),
                             "depth": p.depth, "compression": comp, "policy": name, "prefill": prefill,
                             "score": score(p, tok.decode(a, skip_special_tokens=True)),
