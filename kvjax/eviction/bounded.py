@@ -27,6 +27,7 @@ from flax import struct
 import pallas_kernels
 
 from kvjax.eviction.attention import causal_probs, slot_attention
+from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets
 from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
@@ -52,8 +53,12 @@ class BoundedPolicy:
         return self.config
 
     def head_budgets(self, params, cfg, batch: int):
-        """``int32 [L, B, K]`` long-range slots each head may fill (default: ``topk``)."""
+        """``int32 [L, B, K]`` long-range slots each head may fill: ``topk``, or PyramidKV's
+        layer budgets (``budgets="pyramid"``). Ada-KV's start at ``topk`` and follow the scores."""
         ev = self.effective()
+        if ev.budgets == "pyramid":
+            per_layer = jnp.asarray(pyramid_budgets(cfg.num_layers, ev.topk, ev.slots, ev.pyramid_beta), jnp.int32)
+            return jnp.broadcast_to(per_layer[:, None, None], (cfg.num_layers, batch, cfg.num_kv_heads))
         return jnp.full((cfg.num_layers, batch, cfg.num_kv_heads), ev.topk, jnp.int32)
 
     def init_policy_state(self, params, cfg, batch: int):
@@ -138,6 +143,14 @@ class StaticPriority(BoundedPolicy):
         return pallas_kernels.sparse_attention(q_BSHD, k_BSKD, v_BSKD, rank, cut, sinks=ev.sinks, window=ev.window,
                                                backend=ev.kernel, interpret=ev.kernel_interpret)
 
+    def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> BoundedCache:
+        if self.effective().budgets == "adakv":
+            raise ValueError(f"policy {self.name!r}: Ada-KV budgets follow attention scores as they change; "
+                             "a static-priority ranker's one-pass bounded prefill fixes every head's budget "
+                             "first. Use Ada-KV with it under prefill compression (prompt_compressed), or "
+                             "with an attention-statistic ranker (adakv = SnapKV's)")
+        return super().init(params, cfg, batch, max_len, dtype, lengths_B)
+
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         prio, state = self.prefill_priority(params, layer, k, v, positions, cache.lengths,
@@ -198,10 +211,29 @@ class AttentionStatistic(BoundedPolicy):
         n = ev.sinks + ev.window + ev.slots
         return tuple(SlotScores(jnp.zeros((batch, cfg.num_kv_heads, n), jnp.float32)) for _ in range(cfg.num_layers))
 
+    def reallocate(self, buf: SlotBuffer, q_B) -> SlotBuffer:
+        """Ada-KV bounded throughout (``budgets="adakv"``): the layer's ``K topk`` long-range
+        slots are one pool. After token ``q`` is written, the long-range tokens of all heads
+        (each head's exiting token included, kept by :meth:`_decode` whatever its rank) are
+        re-selected by their priorities (:func:`adakv_select`: each head its best
+        ``floor(alpha topk)``, then the best of all); the rest are evicted. ``budget`` records
+        each head's share (its count, plus an even share of unused slots)."""
+        ev = self.effective()
+        lr = (buf.pos >= ev.sinks) & (buf.pos <= (q_B - ev.window)[:, None, None])
+        n_top = jnp.full(q_B.shape, ev.topk, jnp.int32)
+        kept = adakv_select(buf.prio, lr, n_top, ev.adakv_alpha)
+        return buf.replace(pos=jnp.where(lr & ~kept, -1, buf.pos), budget=adakv_budgets(kept, n_top, ev.slots))
+
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         out, _ = dense_attention(q, k, v, positions, positions)
         score = self.prefill_scores(causal_probs(q, k), cache.lengths)
+        if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
+            t = jnp.arange(score.shape[-1])[None, None, :]
+            candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])
+            n_top = jnp.full(cache.lengths.shape, ev.topk, jnp.int32)
+            kept = adakv_select(score, candidate, n_top, ev.adakv_alpha)
+            buf = buf.replace(budget=adakv_budgets(kept, n_top, ev.slots))
         buf = prefill_buffer(buf, k, v, score, cache.lengths, ev)
         return out, _replace(cache, layer, buf, SlotScores(gather_tokens(score, buf.pos)))
 
@@ -210,8 +242,13 @@ class AttentionStatistic(BoundedPolicy):
         q_B = positions[:, 0]
         buf = self.rank(buf, state)
         slot, present = exiting_slot(buf, q_B, ev)
+        adakv = ev.budgets == "adakv"
+        if adakv:                       # the exiting token stays (room up to k_max); the layer's pool decides
+            buf = buf.replace(budget=jnp.full_like(buf.budget, ev.slots))
         buf, target = place(buf, q_B, slot, present, read_side(buf.prio, slot), ev)
         buf = write(buf, target, k[:, 0], v[:, 0], q_B)
+        if adakv:
+            buf = self.reallocate(buf, q_B)
         state = SlotScores(put_side(state.score, target, jnp.zeros(target.shape)))
         out, probs = slot_attention(q[:, 0], buf.k.astype(q.dtype), buf.v.astype(q.dtype), buf.pos >= 0)
         buf, state = self.refresh(buf, SlotScores(self.update_scores(state.score, probs.mean(axis=2))), q_B)

@@ -24,6 +24,11 @@ class EvictionConfig:
     prefill_chunk: static-priority policies prefill ``prefill_chunk`` queries at a time over the
       slot buffer plus the chunk (:mod:`kvjax.eviction.chunked`; the same kept sets and outputs as
       one pass, attention memory ``O(C (s + w + k_max + C))`` instead of ``O(S^2)``); 0: one pass.
+    budgets: how the long-range slots are split across layers and heads at the same total
+      (:mod:`kvjax.eviction.budgets`): ``"uniform"`` (``topk`` each), ``"pyramid"`` (PyramidKV:
+      falling with depth, none above ``k_max``), ``"adakv"`` (Ada-KV: per layer, the best
+      candidates of all heads, from the ranker's scores); ``pyramid_beta`` and ``adakv_alpha``
+      are their parameters (the papers' defaults 20 and 0.2).
     """
 
     sinks: int = 4                       # first tokens always kept
@@ -36,6 +41,9 @@ class EvictionConfig:
     kernel: str = "auto"                 # sparse attention / decode backend: auto | xla | tpu | gpu
     kernel_interpret: bool = False       # run a kernel backend in Pallas interpret mode (CPU tests)
     prefill_chunk: int = 0               # static priorities: prefill this many queries at a time (0: one pass)
+    budgets: str = "uniform"             # long-range slots per head: uniform | pyramid | adakv
+    pyramid_beta: float = 20.0           # PyramidKV: last layer's budget = topk / beta
+    adakv_alpha: float = 0.2             # Ada-KV: each head's guaranteed share of topk
 
     label: ClassVar[str] = "EvictionConfig"   # names the fields in errors ("eviction" in a train config)
 
@@ -59,6 +67,12 @@ class EvictionConfig:
             raise ValueError(f"{c}.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"{c}.prefill_chunk must be a non-negative integer, got {self.prefill_chunk!r}")
+        if self.budgets not in ("uniform", "pyramid", "adakv"):
+            raise ValueError(f"{c}.budgets must be 'uniform', 'pyramid' or 'adakv', got {self.budgets!r}")
+        if not self.pyramid_beta >= 1:
+            raise ValueError(f"{c}.pyramid_beta must be >= 1, got {self.pyramid_beta!r}")
+        if not 0.0 <= self.adakv_alpha <= 1.0:
+            raise ValueError(f"{c}.adakv_alpha must be in [0, 1], got {self.adakv_alpha!r}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"{c}.pool must be a positive odd integer, got {self.pool}")
 

@@ -45,6 +45,9 @@ class _LearnedBudgets:
         return _field(self.params, "budgets", self.name)
 
     def head_budgets(self, params, cfg, batch: int):
+        if self.effective().budgets != "uniform":
+            raise ValueError(f"policy {self.name!r}: LKV-H sets its own per-head budgets; "
+                             f"budgets={self.effective().budgets!r} would replace them (use budgets='uniform')")
         budgets = _field(params, "budgets", self.name)
         if budgets.shape != (cfg.num_layers, cfg.num_kv_heads):
             raise ValueError(f"policy {self.name!r}: budgets have shape {budgets.shape}, the model needs "

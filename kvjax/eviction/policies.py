@@ -16,6 +16,8 @@ attention followed by selection, as kvpress does.
 | oracle_union   | given, like ``oracle``; by convention the better of the two ranks above |
 | tova           | attention from the latest query (mean over the KV head's group)        |
 | h2o            | attention accumulated over all queries so far                          |
+| pyramidkv      | SnapKV's, with PyramidKV's layer budgets (:mod:`kvjax.eviction.budgets`)  |
+| adakv          | SnapKV's, with Ada-KV's per-head split from the scores                  |
 | snapkv         | attention from an observation window: at prefill the last ``obs`` queries, pooled over positions (kernel ``pool``); in decoding, every ``obs`` steps all slots are re-ranked by the attention of the ``obs`` queries since the last refresh (no pooling: slots are not contiguous) |
 """
 
@@ -160,6 +162,37 @@ class SnapKV(AttentionStatistic):
         due = (jnp.mod(q_B + 1, self.config.obs_window) == 0)[:, None, None]
         return (buf.replace(prio=jnp.where(due, state.score, buf.prio)),
                 state.replace(score=jnp.where(due, 0.0, state.score)))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al. 2024, arXiv:2406.02069): SnapKV's ranking within a layer, layer
+    budgets falling linearly with depth at the same total (``budgets="pyramid"``, beta 20, as
+    the paper and kvpress); a layer holds at most ``k_max`` long-range tokens per head
+    (default ``2 topk``, the pyramid's widest layer)."""
+
+    name: ClassVar[str] = "pyramidkv"
+
+    def effective(self) -> EvictionConfig:
+        c = self.config
+        return dataclasses.replace(c, budgets="pyramid", k_max=2 * c.topk if c.k_max is None else c.k_max)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class AdaKV(SnapKV):
+    """Ada-KV (Feng et al. 2024, arXiv:2407.11550) over SnapKV, as kvpress's
+    ``AdaKVPress(SnapKVPress())``: per layer the best candidates of all heads (``budgets="adakv"``,
+    safeguard alpha 0.2), re-split at every SnapKV refresh when bounded throughout; a head holds
+    at most ``k_max`` long-range tokens (default ``2 topk``). Other rankers take Ada-KV's split
+    with ``EvictionConfig(budgets="adakv")``."""
+
+    name: ClassVar[str] = "adakv"
+
+    def effective(self) -> EvictionConfig:
+        c = self.config
+        return dataclasses.replace(c, budgets="adakv", k_max=2 * c.topk if c.k_max is None else c.k_max)
 
 
 from kvjax.eviction import learned, lkv_policies  # noqa: E402,F401  (they register the learned policies)

@@ -24,7 +24,9 @@ Policies with learned per-head budgets (LKV-H: ``lkv``, ``lkv_kvpop_mlstm``) spl
 total across heads: head ``h`` of layer ``l`` keeps ``floor(b_lh (c_b - s - w) / topk)`` top
 tokens besides its sinks and window, ``b_lh`` its long-range budget at the ranker's ``topk``
 (uniform policies: ``b_lh = topk``, so every head keeps ``c_b``; StreamingLLM's ``c_b - s``
-recent tokens need no budget).
+recent tokens need no budget). PyramidKV's layer budgets split it the same way; under Ada-KV
+(``budgets="adakv"``) each layer keeps the best ``K (c_b - s - w)`` candidates of all its heads
+together (:func:`adakv_keep_context`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
 from kvjax.eviction.attention import causal_probs
 from kvjax.eviction.bounded import BoundedPolicy
+from kvjax.eviction.budgets import adakv_select
 from kvjax.eviction.fenwick import token_ranks
 
 
@@ -55,6 +58,21 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     keep_BK = keep[:, None] if keep.ndim == 1 else keep
     n_top = jnp.maximum(keep_BK - sinks - window, 0)[:, :, None]
     return protected | (eligible & (rank < n_top))
+
+
+def adakv_keep_context(prio_BKS, context_B, keep_BK, *, sinks: int, window: int, alpha: float) -> jax.Array:
+    """:func:`keep_context` under Ada-KV's split (:func:`kvjax.eviction.budgets.adakv_select`):
+    every head keeps its sinks and window; the layer's ``sum_h (keep_bh - s - w)`` other
+    kept tokens are the best of all heads' candidates, each head guaranteed its own best
+    ``floor(alpha (c_b - s - w))``."""
+    S = prio_BKS.shape[-1]
+    t = jnp.arange(S)[None, None, :]
+    n = context_B[:, None, None]
+    protected = (t < n) & ((t < sinks) | (t >= n - window))
+    eligible = (t < n) & ~protected
+    K = prio_BKS.shape[1]
+    n_top = jnp.sum(jnp.maximum(jnp.asarray(keep_BK) - sinks - window, 0), axis=-1) // K   # [B], uniform share
+    return protected | adakv_select(prio_BKS, eligible, n_top, alpha)
 
 
 def attend_kept(layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
@@ -115,8 +133,12 @@ class PromptCompressed:
         """``bool [B, K, T]``: the visible slots after the compression: the kept context and every
         slot past it."""
         ev, context = self.ranker.config, params["context"]
-        kept = keep_context(prio_BKS, context, self.head_keep(budgets_BK, context, params["ratio"]),
-                            sinks=ev.sinks, window=ev.window)
+        if self.ranker.effective().budgets == "adakv":
+            kept = adakv_keep_context(prio_BKS, context, self.head_keep(budgets_BK, context, params["ratio"]),
+                                      sinks=ev.sinks, window=ev.window, alpha=self.ranker.effective().adakv_alpha)
+        else:
+            kept = keep_context(prio_BKS, context, self.head_keep(budgets_BK, context, params["ratio"]),
+                                sinks=ev.sinks, window=ev.window)
         t = jnp.arange(T)[None, None, :]
         return (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - kept.shape[-1])))
 

@@ -24,6 +24,7 @@ Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -60,6 +61,7 @@ class LongCtxConfig:
     policies: list[str] = field(default_factory=lambda: ["dense", "streaming_llm", "random", "knorm", "snapkv",
                                                          "h2o", "tova", "oracle"])
     learned: dict[str, str] = field(default_factory=dict)   # label -> exported scorer folder
+    learned_budgets: dict[str, str] = field(default_factory=dict)   # label -> budget rule, e.g. adakv
     sinks: int = 4
     window: int = 32
     obs_window: int = 16                    # SnapKV's observation window (kvpress's window_size: = window)
@@ -87,6 +89,11 @@ class LongCtxConfig:
                 if round((1 - c) * n) <= self.sinks + self.window:
                     raise ValueError(f"compression {c} of {n} tokens leaves {round((1 - c) * n)} slots, "
                                      f"not more than sinks + window = {self.sinks + self.window}")
+        for label, rule in self.learned_budgets.items():
+            if label not in self.learned:
+                raise ValueError(f"learned_budgets: {label!r} is not a label in learned ({', '.join(self.learned)})")
+            if rule not in ("uniform", "pyramid", "adakv"):
+                raise ValueError(f"learned_budgets: {label}: rule must be 'uniform', 'pyramid' or 'adakv', got {rule!r}")
         if self.prefill not in ("bounded", "auto", "compressed"):
             raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
         if min(self.problems, self.batch_size, self.max_new, *self.batch_at.values(), *self.problems_at.values()) < 1:
@@ -94,8 +101,6 @@ class LongCtxConfig:
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
-    import dataclasses
-
     from kvjax.evaluation.budgets import fixed_window_budget
 
     ev = fixed_window_budget(length, compression, sinks=cfg.sinks, window=cfg.window)
@@ -146,7 +151,9 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
            "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "obs_window": cfg.obs_window,
            "pool": cfg.pool, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies={
+        lbl: {"scorer": folder_digest(d), **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
+        for lbl, d in cfg.learned.items()})
     try:
         work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
         for length in cfg.lengths:
@@ -230,7 +237,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 ev = budget(cfg, length, comp)
                 for name in names[1:]:
                     if name in learned:
-                        make = functools.partial(rebudget, learned[name], ev)
+                        rule = cfg.learned_budgets.get(name, "uniform")
+                        make = functools.partial(rebudget, learned[name], dataclasses.replace(ev, budgets=rule))
                     elif name in ORACLES:
                         make = lambda n=name, e=ev: make_policy(n, e, params=oracle(ORACLES[n]))   # noqa: E731
                     else:

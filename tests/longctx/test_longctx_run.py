@@ -70,7 +70,7 @@ def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
     from kvjax.eviction.prompt_compressed import prompt_compressed
 
     cfg = LongCtxConfig(tasks=["niah_noise"], lengths=[256], problems=2, compressions=[0.75],
-                        policies=["snapkv", "knorm"], sinks=2, window=8, max_new=6, batch_size=2,
+                        policies=["snapkv", "knorm", "adakv"], sinks=2, window=8, max_new=6, batch_size=2,
                         prefill="compressed", out_dir=str(tmp_path / "out"))
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
     recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
@@ -83,7 +83,12 @@ def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
     cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
     r = next(r for r in recs if r["index"] == 1 and r["policy"] == "snapkv")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
-    assert "prefill compression" in markdown(tab, cfg, ["dense", "snapkv", "knorm"])
+    assert "prefill compression" in markdown(tab, cfg, ["dense", "snapkv", "knorm", "adakv"])
+    ada = prompt_compressed(kvjax.make_policy("adakv", budget(cfg, 256, 0.75)), 0.75, [len(ctx)])
+    out = np.asarray(kvjax.generate(model, [ctx + q], 6, policy=ada, eos_token_id=stops))[0, len(ctx + q):].tolist()
+    cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+    r = next(r for r in recs if r["index"] == 1 and r["policy"] == "adakv")
+    assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
     with pytest.raises(ValueError, match="prefill must be 'bounded', 'auto' or 'compressed'"):
         LongCtxConfig(prefill="dense")
 
@@ -127,6 +132,10 @@ def test_bad_configs_are_named():
         LongCtxConfig(tasks=["ruler"])
     with pytest.raises(ValueError, match="compression 0.97 of 1024 tokens leaves 31 slots"):
         LongCtxConfig(lengths=[1024], compressions=[0.97])
+    with pytest.raises(ValueError, match="learned_budgets: 'kvpop' is not a label in learned"):
+        LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"kvpop": "adakv"})
+    with pytest.raises(ValueError, match="rule must be 'uniform', 'pyramid' or 'adakv', got 'duo'"):
+        LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"lkv": "duo"})
 
 
 def test_exported_problems_are_the_runners_token_ids(tok, tmp_path):
