@@ -110,6 +110,12 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
         "lkv_budgets": None if budgets is None else np.asarray(budgets).astype(int).tolist(),
         "base_model": base_model_name, "base_config_sha256": None if base_config is None else config_hash(base_config),
     }
+    return write_scorer_files(out_dir, tensors, meta)
+
+
+def write_scorer_files(out_dir, tensors: dict, meta: dict) -> Path:
+    """``scorers.safetensors`` (``tensors``) and ``scorer_config.json`` (``meta``) into ``out_dir``,
+    written in a temporary folder and renamed into place (a failure leaves the old export)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -156,6 +162,14 @@ def _load_scorers(directory):
         raise ValueError(f"{d / 'scorers.safetensors'}: tensor {bad[0]!r} holds NaN or infinite values")
     L, K, D = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
     kind = meta["scorer"]
+    if kind == "duo":                 # DuoAttention's gates (kvjax.duo.export_gates)
+        gates = tensors.get("duo.gates")
+        if gates is None or gates.shape != (L, K):
+            raise ValueError(f"{d}: scorers.safetensors needs tensor 'duo.gates' of shape {(L, K)}")
+        ev = EvictionConfig(meta["sinks"], meta["window"], meta["topk"], k_max=meta.get("k_max"))
+        return REGISTRY["duo_attention"](ev, params={"gates": jax.numpy.asarray(gates)},
+                                         fits=None if D is None else (int(L), int(K), int(D),
+                                                                      meta.get("base_config_sha256")))
     # exports before the "policy" field: the scorer type (and LKV budgets on an mLSTM) name it
     name = meta.get("policy") or {"mlp": "kvpop_mlp", "lkv": "lkv",
                                   "mlstm": "kvpop_mlstm" if meta.get("lkv_budgets") is None else "lkv_kvpop_mlstm"

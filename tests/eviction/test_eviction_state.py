@@ -109,6 +109,12 @@ def test_full_budget_equals_dense_generation(tiny, name):
             if name == "lkv":
                 return lkv_policy(heads, LKVTokenScorer(2, 2, 16, rngs=nnx.Rngs(0)), ev)
             return lkv_budgets_policy(heads, MLSTMScorer(2, 2, 16, 8, rngs=nnx.Rngs(0)), ev)
+        if name == "duo_attention":     # cap = topk: every head retrieves (full budget); small: some stream
+            import dataclasses
+
+            gates = jnp.asarray(np.random.RandomState(0).rand(2, 2), jnp.float32)
+            return make_policy(name, dataclasses.replace(ev, k_max=2 * ev.topk if ev.topk < 10 else ev.topk),
+                               params={"gates": gates})
         if name == "pyramidkv":         # a cap just above the mean: both layers' budgets cover the sequence
             import dataclasses
 

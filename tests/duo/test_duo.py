@@ -1,0 +1,96 @@
+"""DuoAttention: the gated attention is full attention at gates 1 and streaming attention at
+gates 0, training resumes exactly, budgets total the uniform budget, the export loads back,
+and the passkey data puts the answer where the loss reads it."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+
+import kvjax
+from kvjax.duo.passkey import passkey_sequence
+from kvjax.duo.train import DuoConfig, export_gates, mixed_attention_backend, train_gates
+from kvjax.eviction.duo_attention import duo_budgets
+from kvjax.models.attention import dense_attention
+from kvjax.real_model import ensure_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = kvjax.ModelConfig("llama", 97, 32, 64, 2, 4, 2, 16, max_position_embeddings=512, eos_token_id=2)
+    return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
+
+
+def test_gates_one_are_full_attention_and_gates_zero_streaming(tiny):
+    tokens = jnp.asarray(np.random.RandomState(0).randint(3, 97, (2, 80)))
+    dense, _ = tiny(tokens)
+    L, K = tiny.config.num_layers, tiny.config.num_kv_heads
+    full, _ = tiny(tokens, None, mixed_attention_backend(2, 8), jnp.ones((L, K)))
+    np.testing.assert_allclose(np.asarray(full), np.asarray(dense), atol=1e-5)
+
+    def streaming(layer, q, k, v, pos, state):
+        t, s = pos[:, None, :], pos[:, :, None]
+        return dense_attention(q, k, v, pos, pos, visible_BST=(t < 2) | (t > s - 8))[0], state
+
+    want, _ = tiny(tokens, None, streaming, None)
+    got, _ = tiny(tokens, None, mixed_attention_backend(2, 8), jnp.zeros((L, K)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    assert np.abs(np.asarray(got) - np.asarray(dense)).max() > 1e-2          # streaming really differs
+
+
+def test_training_lowers_unneeded_gates_and_resumes_exactly(tiny, tmp_path):
+    rs = np.random.RandomState(1)
+    data = [(rs.randint(3, 97, (1, 64)), np.r_[np.zeros(48), np.ones(16)][None]) for _ in range(6)]
+    cfg = DuoConfig(steps=6, lr=0.05, reg=0.05, sinks=2, window=8, save_every=3, work_dir=str(tmp_path / "a"))
+    whole = train_gates(tiny, lambda i: data[i], cfg, progress=False)
+    assert np.all(whole["gates"] <= 1.0) and np.all(whole["gates"] >= 0.0) and whole["gates"].mean() < 1.0
+    half = dataclasses.replace(cfg, steps=3, work_dir=str(tmp_path / "b"))
+    train_gates(tiny, lambda i: data[i], half, progress=False)
+    resumed = train_gates(tiny, lambda i: data[i], dataclasses.replace(half, steps=6), progress=False)
+    np.testing.assert_allclose(resumed["gates"], whole["gates"], atol=1e-6)
+    np.testing.assert_allclose(resumed["history"], whole["history"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("topk, cap", [(10, 40), (10, 10), (7, 30), (0, 30)])
+def test_duo_budgets_total_the_uniform_budget_and_favour_large_gates(topk, cap):
+    gates = np.random.RandomState(2).rand(6, 3)
+    b = np.asarray(duo_budgets(gates, topk, cap))
+    assert b.sum() == gates.size * topk and b.max() <= cap
+    order = np.argsort(-gates.reshape(-1), kind="stable")
+    assert (np.diff(b.reshape(-1)[order]) <= 0).all()                        # larger gate, no fewer slots
+    with pytest.raises(ValueError, match="cap k_max=5 is below topk=10"):
+        duo_budgets(gates, 10, 5)
+
+
+def test_export_loads_back_and_needs_a_cap(tiny, tmp_path):
+    gates = np.random.RandomState(3).rand(2, 2).astype(np.float32)
+    out = export_gates(gates, tmp_path / "duo", sinks=2, window=8, base_config=tiny.config)
+    pol = kvjax.load_scorers(out, model=tiny)
+    assert pol.name == "duo_attention"
+    np.testing.assert_array_equal(np.asarray(pol.params["gates"]), gates)
+    with pytest.raises(ValueError, match="set EvictionConfig.k_max"):
+        kvjax.generate(tiny, [[5, 6, 7]], 2, policy=pol, eos_token_id=[])
+    ev = kvjax.EvictionConfig(sinks=2, window=8, topk=4, k_max=8)
+    capped = dataclasses.replace(pol, config=ev)
+    b = np.asarray(capped.head_budgets(capped.params, tiny.config, 1))[:, 0]
+    assert sorted(b.reshape(-1).tolist()) == [0, 0, 8, 8]
+    assert b.reshape(-1)[np.argsort(-gates.reshape(-1))[:2]].tolist() == [8, 8]
+    with pytest.raises(ValueError, match="needs trained gates"):
+        kvjax.generate(tiny, [[5, 6, 7]], 2, policy=kvjax.make_policy("duo_attention", ev), eos_token_id=[])
+
+
+def test_passkey_sequences_end_with_the_keys_they_hide():
+    tok = transformers.AutoTokenizer.from_pretrained(ensure_model())
+    ids, start = passkey_sequence(tok, 512, 0, n_keys=5)
+    assert 400 < len(ids) <= 512
+    text, answer = tok.decode(ids[:start]), tok.decode(ids[start:])
+    keys = answer.removeprefix("The pass keys are ").rstrip(".").split(", ")
+    assert len(keys) == 5 and all(f"The pass key is {k}." in text for k in keys)
+    assert [text.index(f"pass key is {k}") for k in keys] == sorted(text.index(f"pass key is {k}") for k in keys)
+    assert passkey_sequence(tok, 512, 0, n_keys=5) == (ids, start)
+    assert passkey_sequence(tok, 512, 1, n_keys=5)[0] != ids
+    with pytest.raises(ValueError, match="too short"):
+        passkey_sequence(tok, 100, 0)
