@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 SAME_METHOD = {"dense": "none", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",
-               "knorm": "knorm"}
+               "knorm": "knorm", "pyramidkv": "pyramidkv", "adakv": "adakv_snapkv"}
 
 
 def _read(path: Path) -> list[dict]:

@@ -162,6 +162,13 @@ def _load_scorers(directory):
         raise ValueError(f"{d / 'scorers.safetensors'}: tensor {bad[0]!r} holds NaN or infinite values")
     L, K, D = meta["num_layers"], meta["kv_heads"], meta["head_dim"]
     kind = meta["scorer"]
+    if kind == "dms":                 # DMS's decision heads (kvjax.dms.export_decisions)
+        w, b = tensors.get("dms.w"), tensors.get("dms.b")
+        if w is None or b is None or w.shape != (L, K, 2 * D) or b.shape != (L, K):
+            raise ValueError(f"{d}: scorers.safetensors needs 'dms.w' {(L, K, 2 * D)} and 'dms.b' {(L, K)}")
+        ev = EvictionConfig(meta["sinks"], meta["window"], meta["topk"])
+        return REGISTRY["dms"](ev, params={"w": jax.numpy.asarray(w), "b": jax.numpy.asarray(b)},
+                               fits=(int(L), int(K), int(D), meta.get("base_config_sha256")))
     if kind == "duo":                 # DuoAttention's gates (kvjax.duo.export_gates)
         gates = tensors.get("duo.gates")
         if gates is None or gates.shape != (L, K):

@@ -12,6 +12,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
+def tiny_llama():
+    """A random 2-layer Llama (4 query / 2 KV heads, head_dim 16, vocab 97) with sharp attention."""
+    from flax import nnx
+
+    import kvjax
+
+    cfg = kvjax.ModelConfig("llama", 97, 32, 64, 2, 4, 2, 16, max_position_embeddings=512, eos_token_id=2)
+    return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
+
+
+@pytest.fixture(scope="session")
 def hf_dir(tmp_path_factory):
     """``hf_dir(name, **save_kw) -> (folder, torch model)``, built once per session."""
     from hf_models import save_hf_model

@@ -20,8 +20,6 @@ answer's length). Adam (lr 0.02, the paper's), gates clamped to ``[0, 1]`` after
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +31,7 @@ import optax
 from flax import nnx
 
 from kvjax.models.attention import dense_attention
+from kvjax.train.progress_file import load_progress, save_progress
 
 
 @dataclass(frozen=True)
@@ -102,26 +101,6 @@ def _step(graphdef, opt, params, gates, opt_state, tokens, mask, *, reg, sinks, 
     return jnp.clip(optax.apply_updates(gates, updates), 0.0, 1.0), opt_state, loss, distill
 
 
-def _save_progress(path: Path, gates, opt_state, step: int, history: list):
-    leaves = [np.asarray(x) for x in jax.tree.leaves(opt_state)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".progress-", suffix=".npz", dir=path.parent)
-    os.close(fd)
-    np.savez(tmp, gates=np.asarray(gates), step=step, history=np.asarray(history, np.float64).reshape(-1, 2),
-             **{f"opt_{i}": x for i, x in enumerate(leaves)})
-    os.replace(tmp, path)
-
-
-def _load_progress(path: Path, gates, opt_state):
-    with np.load(path) as z:
-        if z["gates"].shape != gates.shape:
-            raise ValueError(f"{path}: gates of shape {z['gates'].shape}, this model needs {gates.shape} "
-                             "(another model's run? use another work_dir)")
-        leaves, tree = jax.tree.flatten(opt_state)
-        opt_state = jax.tree.unflatten(tree, [jnp.asarray(z[f"opt_{i}"]) for i in range(len(leaves))])
-        return jnp.asarray(z["gates"]), opt_state, int(z["step"]), z["history"].tolist()
-
-
 def train_gates(model, batch_at, cfg: DuoConfig, *, progress: bool = True) -> dict:
     """Optimise the gates: ``batch_at(step) -> (tokens int [B, S], answer mask [B, S])``.
     Resumes from ``cfg.work_dir``; returns ``{"gates": [L, K], "history": [[loss, distill], ...]}``."""
@@ -134,7 +113,8 @@ def train_gates(model, batch_at, cfg: DuoConfig, *, progress: bool = True) -> di
     path = Path(cfg.work_dir) / "progress.npz"
     step, history = 0, []
     if path.exists():
-        gates, opt_state, step, history = _load_progress(path, gates, opt_state)
+        arrays, opt_state, step, history = load_progress(path, {"gates": gates}, opt_state)
+        gates = arrays["gates"]
     graphdef, params = nnx.split(model)
     bar = tqdm(total=cfg.steps, initial=step, desc="duo gates", unit="step", disable=not progress)
     while step < cfg.steps:
@@ -147,7 +127,7 @@ def train_gates(model, batch_at, cfg: DuoConfig, *, progress: bool = True) -> di
         bar.update(1)
         bar.set_postfix(distill=f"{float(distill):.3g}", gates=f"{float(gates.mean()):.3f}")
         if step % cfg.save_every == 0 or step == cfg.steps:
-            _save_progress(path, gates, opt_state, step, history)
+            save_progress(path, {"gates": gates}, opt_state, step, history)
     bar.close()
     return {"gates": np.asarray(gates), "history": history}
 

@@ -195,7 +195,7 @@ class AdaKV(SnapKV):
         return dataclasses.replace(c, budgets="adakv", k_max=2 * c.topk if c.k_max is None else c.k_max)
 
 
-from kvjax.eviction import duo_attention, learned, lkv_policies  # noqa: E402,F401  (they register the learned policies)
+from kvjax.eviction import dms, duo_attention, learned, lkv_policies  # noqa: E402,F401  (they register the learned policies)
 
 
 

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from flax import nnx
 
 import kvjax
 from kvjax.duo.passkey import passkey_sequence
@@ -19,9 +18,8 @@ from kvjax.real_model import ensure_model
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    cfg = kvjax.ModelConfig("llama", 97, 32, 64, 2, 4, 2, 16, max_position_embeddings=512, eos_token_id=2)
-    return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 def test_gates_one_are_full_attention_and_gates_zero_streaming(tiny):

@@ -109,6 +109,10 @@ def test_full_budget_equals_dense_generation(tiny, name):
             if name == "lkv":
                 return lkv_policy(heads, LKVTokenScorer(2, 2, 16, rngs=nnx.Rngs(0)), ev)
             return lkv_budgets_policy(heads, MLSTMScorer(2, 2, 16, 8, rngs=nnx.Rngs(0)), ev)
+        if name == "dms":
+            rs = np.random.RandomState(0)
+            return make_policy(name, ev, params={"w": jnp.asarray(rs.randn(2, 2, 32), jnp.float32),
+                                                 "b": jnp.zeros((2, 2), jnp.float32)})
         if name == "duo_attention":     # cap = topk: every head retrieves (full budget); small: some stream
             import dataclasses
 
