@@ -17,7 +17,9 @@ def main(argv=None) -> int:
         print(f"python -m kvjax.dms: {e}", file=sys.stderr)
         return 1
     h = out["history"]
-    print(json.dumps({"out_dir": out["out_dir"], "steps": len(h), "first": h[0], "last": h[-1]}, indent=1))
+    mem = {k: v for k, v in (out["ragged_memory"] or {}).items() if k != "kept_fraction_by_head"}
+    print(json.dumps({"out_dir": out["out_dir"], "steps": len(h), "first": h[0], "last": h[-1], "ragged_memory": mem},
+                     indent=1))
     return 0
 
 

@@ -52,6 +52,7 @@ class DMSConfig:
     seed: int = 0
     save_every: int = 10
     traces: str = "assets/smollm2-traces/train.jsonl"
+    valid_traces: str | None = "assets/smollm2-traces/valid.jsonl"   # the ragged-memory measurement
     model_dir: str | None = None      # HF folder; default: SmolLM2 via kvjax.real_model
     work_dir: str = "runs/dms/smollm2"
     out_dir: str = "assets/smollm2-dms"
@@ -203,6 +204,20 @@ def run_dms(cfg: DMSConfig, *, model=None, progress: bool = True) -> dict:
                           progress=progress)
     h = out["history"]
     training = {**asdict(cfg), "seconds_this_run": round(time.time() - t0, 1), "final": h[-1], "first": h[0]}
-    export_decisions(out["w"], out["b"], cfg.out_dir, sinks=cfg.sinks, window=cfg.window, base_config=model.config,
-                     base_model_name=str(folder) if folder else None, training=training)
-    return {**out, "out_dir": cfg.out_dir}
+    path = export_decisions(out["w"], out["b"], cfg.out_dir, sinks=cfg.sinks, window=cfg.window,
+                            base_config=model.config, base_model_name=str(folder) if folder else None,
+                            training=training)
+    memory = None
+    if cfg.valid_traces:
+        import json
+
+        from kvjax.dms.memory import kept_fractions, ragged_memory
+        from kvjax.export import load_scorers
+
+        seqs = [json.loads(line)["tokens"] for line in Path(cfg.valid_traces).read_text().splitlines() if line.strip()]
+        seqs = [s for s in seqs if len(s) > cfg.sinks + cfg.window]
+        f = kept_fractions(model, load_scorers(path), seqs, sinks=cfg.sinks, window=cfg.window)
+        memory = {**ragged_memory(f, [len(s) for s in seqs], sinks=cfg.sinks, window=cfg.window),
+                  "sequences": len(seqs), "kept_fraction_by_head": f.mean(0).round(3).tolist()}
+        (path / "ragged_memory.json").write_text(json.dumps(memory, indent=1))
+    return {**out, "out_dir": cfg.out_dir, "ragged_memory": memory}

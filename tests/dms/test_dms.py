@@ -93,3 +93,35 @@ def test_trace_batches_are_seeded_cut_and_masked(tmp_path):
     assert len(seen) == 3                                  # an epoch visits every trace
     with pytest.raises(ValueError, match="dms: need 0 < target < 1"):
         DMSConfig(target=1.5)
+
+
+def test_kept_fractions_count_the_keep_decisions_and_the_ragged_memory(tiny):
+    from kvjax.dms.memory import kept_fractions, ragged_memory
+
+    rs = np.random.RandomState(4)
+    L, K = tiny.config.num_layers, tiny.config.num_kv_heads
+    b = np.zeros((L, K), np.float32)
+    b[0, 0], b[1, 1] = -1e6, 1e6                                        # head (0,0) keeps all, (1,1) none
+    pol = kvjax.make_policy("dms", kvjax.EvictionConfig(2, 8, 4), params={"w": jnp.zeros((L, K, 32)), "b": jnp.asarray(b)})
+    seqs = [rs.randint(3, 97, n).tolist() for n in (40, 60, 5)]          # the 5-token one has nothing to evict
+    f = kept_fractions(tiny, pol, seqs, sinks=2, window=8)
+    assert f.shape == (2, L, K) and (f[:, 0, 0] == 1).all() and (f[:, 1, 1] == 0).all()
+    mem = ragged_memory(f, [40, 60], sinks=2, window=8)
+    assert mem["max_slots"] == 60 and mem["fixed_over_ragged"] > 1
+
+
+def test_run_dms_trains_exports_and_measures_the_ragged_memory(tiny, tmp_path):
+    from kvjax.dms.train import run_dms
+
+    rs = np.random.RandomState(5)
+    for name, n in (("train", 6), ("valid", 3)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"tokens": rs.randint(3, 97, 50).tolist()}) + "\n"
+                                                        for _ in range(n)))
+    cfg = DMSConfig(steps=3, seq_len=48, batch_size=2, sinks=2, window=8, traces=str(tmp_path / "train.jsonl"),
+                    valid_traces=str(tmp_path / "valid.jsonl"), work_dir=str(tmp_path / "w"),
+                    out_dir=str(tmp_path / "out"))
+    out = run_dms(cfg, model=tiny, progress=False)
+    assert len(out["history"]) == 3 and out["ragged_memory"]["sequences"] == 3
+    pol = kvjax.load_scorers(tmp_path / "out", model=tiny)
+    np.testing.assert_allclose(np.asarray(pol.params["b"]), out["b"])
+    assert json.loads((tmp_path / "out" / "ragged_memory.json").read_text())["max_slots"] <= 50
