@@ -4,6 +4,8 @@
   via static ranks and Fenwick cutoffs (so training, prefill and decoding share it).
 - ``masked_attention``: causal softmax attention restricted to a per-KV-head mask,
   returning the output and the per-query log-sum-exp (training and prefill path).
+- ``statistic_probs``: the prefill's attention probabilities an attention statistic reads
+  (all query rows, or only each row's last few).
 - ``slot_attention``: one decode step's attention over the bounded cache's slots,
   returning the output and each slot's probability per query head.
 """
@@ -38,6 +40,21 @@ def causal_probs(q_BSHD, k_BSKD):
     S = q_BSHD.shape[1]
     causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
     return grouped_attention(q_BSHD, k_BSKD, k_BSKD, allowed=causal)[2]
+
+
+def statistic_probs(q_BSHD, k_BSKD, lengths_B, rows: int | None):
+    """``(probs [B, K, G, R, S], qpos [B, R])`` for an attention statistic: every query row
+    (``rows=None``: :func:`causal_probs`, ``qpos = 0..S-1``), or only each row's last ``rows``
+    real queries (``qpos = n_b - rows + r``; negative = no such query, its probabilities are
+    garbage and the statistic must skip it). A row's probabilities do not depend on the other
+    rows, so the selected rows equal those rows of :func:`causal_probs`."""
+    B, S = q_BSHD.shape[:2]
+    if rows is None:
+        return causal_probs(q_BSHD, k_BSKD), jnp.broadcast_to(jnp.arange(S), (B, S))
+    qpos = lengths_B[:, None] - rows + jnp.arange(rows)[None, :]                        # [B, R]
+    q = jnp.take_along_axis(q_BSHD, jnp.clip(qpos, 0, S - 1)[:, :, None, None], axis=1)
+    causal = (jnp.arange(S)[None, None, :] <= qpos[:, :, None])[:, None, None]            # [B, 1, 1, R, S]
+    return grouped_attention(q, k_BSKD, k_BSKD, allowed=causal)[2], qpos
 
 
 def slot_attention(q_BHD, k_BKND, v_BKND, valid_BKN):

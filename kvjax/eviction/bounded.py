@@ -26,7 +26,7 @@ from flax import struct
 
 import pallas_kernels
 
-from kvjax.eviction.attention import causal_probs, slot_attention
+from kvjax.eviction.attention import slot_attention, statistic_probs
 from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets
 from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
@@ -190,8 +190,12 @@ class AttentionStatistic(BoundedPolicy):
 
     static: ClassVar[bool] = False
 
-    def prefill_scores(self, probs_BKGSS, lengths_B):
-        """``[B, K, S]`` per-token statistic after a dense prefill."""
+    score_rows: ClassVar[int | None] = None       # query rows the statistic reads: all, or each row's last R
+
+    def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
+        """``[B, K, S]`` per-token statistic after a dense prefill, from the attention
+        probabilities of the query rows at positions ``qpos [B, R]``
+        (:func:`kvjax.eviction.attention.statistic_probs` with :attr:`score_rows`)."""
         raise NotImplementedError(f"policy {self.name!r} defines no prefill_scores()")
 
     def update_scores(self, scores_BKN, probs_BKN):
@@ -227,7 +231,8 @@ class AttentionStatistic(BoundedPolicy):
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         out, _ = dense_attention(q, k, v, positions, positions)
-        score = self.prefill_scores(causal_probs(q, k), cache.lengths)
+        probs, qpos = statistic_probs(q, k, cache.lengths, self.score_rows)
+        score = self.prefill_scores(probs, cache.lengths, qpos)
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
             candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])

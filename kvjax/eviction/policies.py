@@ -114,9 +114,11 @@ class OracleUnion(Oracle):
 class TOVA(AttentionStatistic):
     name: ClassVar[str] = "tova"
 
-    def prefill_scores(self, probs_BKGSS, lengths_B):
-        last = jnp.take_along_axis(probs_BKGSS, (lengths_B - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
-        return last.mean(axis=2)
+    score_rows: ClassVar[int | None] = 1          # reads the last query only
+
+    def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
+        last = (qpos_BR == (lengths_B - 1)[:, None])[:, None, None, :, None]
+        return jnp.sum(jnp.where(last, probs_BKGRS, 0.0), axis=3).mean(axis=2)
 
     def update_scores(self, scores_BKN, probs_BKN):
         return probs_BKN
@@ -127,10 +129,9 @@ class TOVA(AttentionStatistic):
 class H2O(AttentionStatistic):
     name: ClassVar[str] = "h2o"
 
-    def prefill_scores(self, probs_BKGSS, lengths_B):
-        S = probs_BKGSS.shape[-1]
-        real_q = (jnp.arange(S)[None, :] < lengths_B[:, None])[:, None, None, :, None]
-        return jnp.sum(jnp.where(real_q, probs_BKGSS, 0.0), axis=3).mean(axis=2)
+    def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
+        real_q = (qpos_BR < lengths_B[:, None])[:, None, None, :, None]
+        return jnp.sum(jnp.where(real_q, probs_BKGRS, 0.0), axis=3).mean(axis=2)
 
     def update_scores(self, scores_BKN, probs_BKN):
         return scores_BKN + probs_BKN
@@ -141,11 +142,14 @@ class H2O(AttentionStatistic):
 class SnapKV(AttentionStatistic):
     name: ClassVar[str] = "snapkv"
 
-    def prefill_scores(self, probs_BKGSS, lengths_B):
-        S = probs_BKGSS.shape[-1]
-        qpos = jnp.arange(S)[None, :]
-        obs = (qpos < lengths_B[:, None]) & (qpos >= lengths_B[:, None] - self.config.obs_window)
-        summed = jnp.sum(jnp.where(obs[:, None, None, :, None], probs_BKGSS, 0.0), axis=3).mean(axis=2)
+    @property
+    def score_rows(self) -> int:                  # reads the observation window's queries only
+        return self.config.obs_window
+
+    def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
+        n = lengths_B[:, None]
+        obs = (qpos_BR >= 0) & (qpos_BR < n) & (qpos_BR >= n - self.config.obs_window)
+        summed = jnp.sum(jnp.where(obs[:, None, None, :, None], probs_BKGRS, 0.0), axis=3).mean(axis=2)
         pad = self.config.pool // 2
         return jax.lax.reduce_window(jnp.pad(summed, ((0, 0), (0, 0), (pad, pad))), 0.0, jax.lax.add,
                                      (1, 1, self.config.pool), (1, 1, 1), "VALID") / self.config.pool

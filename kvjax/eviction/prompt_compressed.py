@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
-from kvjax.eviction.attention import causal_probs
+from kvjax.eviction.attention import statistic_probs
 from kvjax.eviction.bounded import BoundedPolicy
 from kvjax.eviction.budgets import adakv_select
 from kvjax.eviction.fenwick import token_ranks
@@ -127,7 +127,8 @@ class PromptCompressed:
         if r.static:
             return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, params["context"],
                                       state)[0]
-        return r.prefill_scores(causal_probs(q_BSHD, k_BSKD), params["context"])
+        probs, qpos = statistic_probs(q_BSHD, k_BSKD, params["context"], r.score_rows)
+        return r.prefill_scores(probs, params["context"], qpos)
 
     def keep_from_priority(self, params, prio_BKS, budgets_BK, T: int) -> jax.Array:
         """``bool [B, K, T]``: the visible slots after the compression: the kept context and every
