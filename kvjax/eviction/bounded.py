@@ -224,9 +224,16 @@ class AttentionStatistic(BoundedPolicy):
         each head's share (its count, plus an even share of unused slots)."""
         ev = self.effective()
         lr = (buf.pos >= ev.sinks) & (buf.pos <= (q_B - ev.window)[:, None, None])
-        n_top = jnp.full(q_B.shape, ev.topk, jnp.int32)
-        kept = adakv_select(buf.prio, lr, n_top, ev.adakv_alpha)
-        return buf.replace(pos=jnp.where(lr & ~kept, -1, buf.pos), budget=adakv_budgets(kept, n_top, ev.slots))
+        kept, budget = self._adakv_split(buf.prio, lr)
+        return buf.replace(pos=jnp.where(lr & ~kept, -1, buf.pos), budget=budget)
+
+    def _adakv_split(self, prio_BKN, candidate_BKN):
+        """Ada-KV's kept candidates ``bool [B, K, N]`` at the uniform total ``K topk`` per row, and
+        each head's resulting budget ``int32 [B, K]``."""
+        ev = self.effective()
+        n_top = jnp.full(prio_BKN.shape[:1], ev.topk, jnp.int32)
+        kept = adakv_select(prio_BKN, candidate_BKN, n_top, ev.adakv_alpha)
+        return kept, adakv_budgets(kept, n_top, ev.slots)
 
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
@@ -236,9 +243,7 @@ class AttentionStatistic(BoundedPolicy):
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
             candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])
-            n_top = jnp.full(cache.lengths.shape, ev.topk, jnp.int32)
-            kept = adakv_select(score, candidate, n_top, ev.adakv_alpha)
-            buf = buf.replace(budget=adakv_budgets(kept, n_top, ev.slots))
+            buf = buf.replace(budget=self._adakv_split(score, candidate)[1])
         buf = prefill_buffer(buf, k, v, score, cache.lengths, ev)
         return out, _replace(cache, layer, buf, SlotScores(gather_tokens(score, buf.pos)))
 

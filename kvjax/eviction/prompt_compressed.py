@@ -44,15 +44,20 @@ from kvjax.eviction.budgets import adakv_select
 from kvjax.eviction.fenwick import token_ranks
 
 
+def _context_sets(S: int, context_B, sinks: int, window: int):
+    """``(protected, eligible)`` ``bool [B, 1, S]``: each row's sinks and last ``window`` context
+    tokens, and its other context tokens (both false for ``t >= n_b``)."""
+    t = jnp.arange(S)[None, None, :]
+    n = context_B[:, None, None]
+    protected = (t < n) & ((t < sinks) | (t >= n - window))
+    return protected, (t < n) & ~protected
+
+
 def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax.Array:
     """``bool [B, K, S]``: the context tokens kept by the rule of the module docstring
     (false for ``t >= n_b``). ``keep``: tokens kept per row ``[B]`` or per row and head
     ``[B, K]``. ``prio`` may hold ``-inf``; ties go to the later token."""
-    S = prio_BKS.shape[-1]
-    t = jnp.arange(S)[None, None, :]
-    n = context_B[:, None, None]
-    protected = (t < n) & ((t < sinks) | (t >= n - window))
-    eligible = (t < n) & ~protected
+    protected, eligible = _context_sets(prio_BKS.shape[-1], context_B, sinks, window)
     rank = token_ranks(jnp.where(eligible, prio_BKS, jnp.nan))         # 0 = best eligible token; NaN last
     keep = jnp.asarray(keep_B)
     keep_BK = keep[:, None] if keep.ndim == 1 else keep
@@ -65,11 +70,7 @@ def adakv_keep_context(prio_BKS, context_B, keep_BK, *, sinks: int, window: int,
     every head keeps its sinks and window; the layer's ``sum_h (keep_bh - s - w)`` other
     kept tokens are the best of all heads' candidates, each head guaranteed its own best
     ``floor(alpha (c_b - s - w))``."""
-    S = prio_BKS.shape[-1]
-    t = jnp.arange(S)[None, None, :]
-    n = context_B[:, None, None]
-    protected = (t < n) & ((t < sinks) | (t >= n - window))
-    eligible = (t < n) & ~protected
+    protected, eligible = _context_sets(prio_BKS.shape[-1], context_B, sinks, window)
     K = prio_BKS.shape[1]
     n_top = jnp.sum(jnp.maximum(jnp.asarray(keep_BK) - sinks - window, 0), axis=-1) // K   # [B], uniform share
     return protected | adakv_select(prio_BKS, eligible, n_top, alpha)
