@@ -1,6 +1,6 @@
 """Synthetic reasoning-trace testbed: vocabulary/tokenizer, seeded generator, metrics."""
 
-from kvjax.data.batching import batch, collate, iter_batches
+from kvjax.data.batching import batch, collate, iter_batches, step_batches
 from kvjax.data.config import TestbedConfig
 from kvjax.data.metrics import (
     answer_accuracy,
@@ -38,6 +38,6 @@ __all__ = [
     "BOS_ID", "CATEGORIES", "COMPUTE", "EOS_ID", "LINE_KINDS", "LOOKUP_FAR", "LOOKUP_NEAR", "OTHER",
     "PAD_ID", "SPLITS", "UNK_ID", "VOCAB_SIZE", "Problem", "TestbedConfig", "answer_accuracy", "apply_op",
     "batch", "build_tokenizer", "category_accuracy", "category_counts", "check_answer", "collate",
-    "dataset_statistics", "decode", "generate_problem", "iter_batches", "parse_answer",
+    "dataset_statistics", "decode", "generate_problem", "iter_batches", "parse_answer", "step_batches",
     "predictions_from_logits", "save_tokenizer",
 ]

@@ -53,3 +53,27 @@ def iter_batches(cfg: TestbedConfig, split: str, batch_size: int, seq_len: int, 
     while True:
         yield batch(cfg, split, start, batch_size, seq_len)
         start += batch_size
+
+
+def step_batches(cfg: TestbedConfig, split: str, batch_size: int, seq_len: int, *, positions: str = "all"):
+    """``batch_at(step) -> (tokens int32 [B, S], mask float32 [B, S])``: problems ``step * B ..``
+    of ``split`` for a trainer that takes plain token batches (DMS, DuoAttention). ``mask`` marks
+    the *predicting* positions (position ``t`` predicts token ``t + 1``): ``"all"`` every real
+    next token, ``"retrieval"`` only the lookups and the answer line (what a retrieval head
+    serves)."""
+    from kvjax.data.testbed import LOOKUP_FAR, LOOKUP_NEAR
+
+    if positions not in ("all", "retrieval"):
+        raise ValueError(f"positions must be 'all' or 'retrieval', got {positions!r}")
+
+    def batch_at(step: int):
+        b = batch(cfg, split, step * batch_size, batch_size, seq_len)
+        target = b["loss_mask"]
+        if positions == "retrieval":
+            answer = np.arange(seq_len)[None, :] >= b["answer_start"][:, None]
+            target = target & (np.isin(b["category"], (LOOKUP_NEAR, LOOKUP_FAR)) | answer)
+        mask = np.zeros((batch_size, seq_len), np.float32)
+        mask[:, :-1] = target[:, 1:]
+        return b["tokens"], mask
+
+    return batch_at

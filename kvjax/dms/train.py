@@ -32,6 +32,7 @@ from flax import nnx
 
 from kvjax.eviction.dms import dms_logits
 from kvjax.losses import kl_distill
+from kvjax.data.config import TestbedConfig
 from kvjax.train.progress_file import load_progress, save_progress
 from pallas_kernels.reference import grouped_attention
 
@@ -53,6 +54,8 @@ class DMSConfig:
     save_every: int = 10
     traces: str = "assets/smollm2-traces/train.jsonl"
     valid_traces: str | None = "assets/smollm2-traces/valid.jsonl"   # the ragged-memory measurement
+    testbed: TestbedConfig | None = None       # TestbedConfig fields: train on testbed problems (the train split;
+    #                                   ragged memory on 64 of the valid split) instead of traces
     model_dir: str | None = None      # HF folder; default: SmolLM2 via kvjax.real_model
     work_dir: str = "runs/dms/smollm2"
     out_dir: str = "assets/smollm2-dms"
@@ -65,6 +68,14 @@ class DMSConfig:
         if not 0.0 < self.target < 1.0 or not 0.0 <= self.ramp <= 1.0 or not self.tau > 0 or not self.lr > 0:
             raise ValueError(f"dms: need 0 < target < 1, 0 <= ramp <= 1, tau > 0, lr > 0 (got target={self.target}, "
                              f"ramp={self.ramp}, tau={self.tau}, lr={self.lr})")
+        if isinstance(self.testbed, dict):       # programmatic use; YAML already gives a TestbedConfig
+            object.__setattr__(self, "testbed", TestbedConfig(**self.testbed))
+        if self.testbed is not None and not isinstance(self.testbed, TestbedConfig):
+            raise ValueError(f"dms: testbed must be a mapping of TestbedConfig fields, got {self.testbed!r}")
+        if self.testbed is not None:
+            tb = self.testbed
+            if self.seq_len < tb.length:
+                raise ValueError(f"dms: seq_len {self.seq_len} is shorter than the testbed's problems ({tb.length})")
 
 
 def init_decisions(cfg_model, init_bias: float, seed: int = 0) -> dict:
@@ -190,32 +201,50 @@ def trace_batches(path, seq_len: int, batch_size: int, seed: int, pad_id: int = 
     return batch_at
 
 
+def _training_data(cfg: DMSConfig):
+    """``(batch_at, held-out token sequences)``: the traces, or testbed problems (``cfg.testbed``)."""
+    import json
+
+    if cfg.testbed is not None:
+        from kvjax.data import generate_problem, step_batches
+
+        tb = cfg.testbed
+        valid = [generate_problem(tb, "valid", i).tokens.tolist() for i in range(64)]
+        return step_batches(tb, "train", cfg.batch_size, cfg.seq_len), valid
+    valid = []
+    if cfg.valid_traces:
+        valid = [json.loads(line)["tokens"] for line in Path(cfg.valid_traces).read_text().splitlines() if line.strip()]
+    return trace_batches(cfg.traces, cfg.seq_len, cfg.batch_size, cfg.seed), valid
+
+
 def run_dms(cfg: DMSConfig, *, model=None, progress: bool = True) -> dict:
-    """Train SmolLM2's (or ``cfg.model_dir``'s) DMS decisions on its traces and export them."""
+    """Train SmolLM2's (or ``cfg.model_dir``'s) DMS decisions on its traces (or on testbed
+    problems) and export them, with the ragged-memory measurement on held-out sequences."""
     import kvjax
     from kvjax.real_model import ensure_model
 
     folder = Path(cfg.model_dir) if cfg.model_dir else None
     if model is None:
+        if cfg.testbed is not None and folder is None:
+            raise ValueError("dms: testbed training needs model_dir (the testbed teacher, e.g. assets/testbed-teacher)")
         folder = folder or ensure_model()
         model = kvjax.load_hf(folder)
+    batch_at, valid = _training_data(cfg)
     t0 = time.time()
-    out = train_decisions(model, trace_batches(cfg.traces, cfg.seq_len, cfg.batch_size, cfg.seed), cfg,
-                          progress=progress)
+    out = train_decisions(model, batch_at, cfg, progress=progress)
     h = out["history"]
     training = {**asdict(cfg), "seconds_this_run": round(time.time() - t0, 1), "final": h[-1], "first": h[0]}
     path = export_decisions(out["w"], out["b"], cfg.out_dir, sinks=cfg.sinks, window=cfg.window,
                             base_config=model.config, base_model_name=str(folder) if folder else None,
                             training=training)
     memory = None
-    if cfg.valid_traces:
+    seqs = [s for s in valid if len(s) > cfg.sinks + cfg.window]
+    if seqs:
         import json
 
         from kvjax.dms.memory import kept_fractions, ragged_memory
         from kvjax.export import load_scorers
 
-        seqs = [json.loads(line)["tokens"] for line in Path(cfg.valid_traces).read_text().splitlines() if line.strip()]
-        seqs = [s for s in seqs if len(s) > cfg.sinks + cfg.window]
         f = kept_fractions(model, load_scorers(path), seqs, sinks=cfg.sinks, window=cfg.window)
         memory = {**ragged_memory(f, [len(s) for s in seqs], sinks=cfg.sinks, window=cfg.window),
                   "sequences": len(seqs), "kept_fraction_by_head": f.mean(0).round(3).tolist()}

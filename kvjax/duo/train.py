@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from kvjax.models.attention import dense_attention
+from kvjax.data.config import TestbedConfig
 from kvjax.train.progress_file import load_progress, save_progress
 
 
@@ -39,6 +40,9 @@ class DuoConfig:
     steps: int = 120                  # one sequence per step (the paper: 2,000 on 8B models)
     length: int = 1024                # tokens per passkey sequence
     passkeys: int = 10                # the paper's multi_passkey10
+    batch_size: int = 1               # sequences per step
+    testbed: TestbedConfig | None = None       # TestbedConfig fields: train on testbed problems (train split; the
+    #                                   distillation over the lookups and the answer line) instead of passkeys
     lr: float = 0.02
     reg: float = 0.05                 # lambda of the L1 term
     sinks: int = 4                    # streaming attention: the evaluation's sinks and window
@@ -50,7 +54,7 @@ class DuoConfig:
     out_dir: str = "assets/smollm2-duo"       # the exported gates (kvjax.load_scorers reads them)
 
     def __post_init__(self):
-        for name in ("steps", "length", "passkeys", "save_every", "window"):
+        for name in ("steps", "length", "passkeys", "batch_size", "save_every", "window"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"duo: {name} must be a positive integer, got {v!r}")
@@ -58,6 +62,14 @@ class DuoConfig:
             raise ValueError(f"duo: sinks must be >= 0, got {self.sinks}")
         if not self.lr > 0 or not self.reg >= 0:
             raise ValueError(f"duo: lr must be > 0 and reg >= 0, got lr={self.lr}, reg={self.reg}")
+        if isinstance(self.testbed, dict):       # programmatic use; YAML already gives a TestbedConfig
+            object.__setattr__(self, "testbed", TestbedConfig(**self.testbed))
+        if self.testbed is not None and not isinstance(self.testbed, TestbedConfig):
+            raise ValueError(f"duo: testbed must be a mapping of TestbedConfig fields, got {self.testbed!r}")
+        if self.testbed is not None:
+            if self.length < self.testbed.length:
+                raise ValueError(f"duo: length {self.length} is shorter than the testbed's problems "
+                                 f"({self.testbed.length})")
 
 
 def streaming_visible(positions_BS, sinks: int, window: int):
@@ -150,32 +162,54 @@ def export_gates(gates_LK, out_dir, *, sinks: int, window: int, base_config=None
     return write_scorer_files(out_dir, {"duo.gates": g}, meta)
 
 
-def run_duo(cfg: DuoConfig, *, model=None, tokenizer=None, progress: bool = True) -> dict:
-    """Train SmolLM2's (or ``cfg.model_dir``'s) gates on passkey sequences and export them."""
-    import transformers
-
-    import kvjax
+def passkey_batches(tok, cfg: DuoConfig):
+    """``batch_at(step)``: ``cfg.batch_size`` passkey sequences (:mod:`kvjax.duo.passkey`) padded to
+    ``cfg.length``; the mask marks the hidden states that predict each answer's tokens."""
     from kvjax.duo.passkey import passkey_sequence
     from kvjax.longctx.tasks import _Counter
-    from kvjax.real_model import ensure_model
 
-    folder = Path(cfg.model_dir) if cfg.model_dir else None
-    if model is None or tokenizer is None:
-        folder = folder or ensure_model()
-    model = model or kvjax.load_hf(folder)
-    tok = tokenizer or transformers.AutoTokenizer.from_pretrained(folder)
     counter = _Counter(tok)
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else 0)
 
     def batch_at(step):
-        ids, start = passkey_sequence(tok, cfg.length, step, n_keys=cfg.passkeys, seed=cfg.seed, counter=counter)
-        if len(ids) > cfg.length:
-            raise ValueError(f"a passkey sequence came out at {len(ids)} tokens, over length={cfg.length}")
-        tokens = np.full((1, cfg.length), pad, np.int32)
-        mask = np.zeros((1, cfg.length), np.float32)
-        tokens[0, :len(ids)] = ids
-        mask[0, start - 1:len(ids) - 1] = 1.0      # the hidden states that predict the answer's tokens
+        tokens = np.full((cfg.batch_size, cfg.length), pad, np.int32)
+        mask = np.zeros((cfg.batch_size, cfg.length), np.float32)
+        for b in range(cfg.batch_size):
+            ids, start = passkey_sequence(tok, cfg.length, step * cfg.batch_size + b, n_keys=cfg.passkeys,
+                                          seed=cfg.seed, counter=counter)
+            if len(ids) > cfg.length:
+                raise ValueError(f"a passkey sequence came out at {len(ids)} tokens, over length={cfg.length}")
+            tokens[b, :len(ids)] = ids
+            mask[b, start - 1:len(ids) - 1] = 1.0
         return tokens, mask
+
+    return batch_at
+
+
+def run_duo(cfg: DuoConfig, *, model=None, tokenizer=None, progress: bool = True) -> dict:
+    """Train SmolLM2's (or ``cfg.model_dir``'s) gates on passkey sequences (or on testbed
+    problems, ``cfg.testbed``) and export them."""
+    import transformers
+
+    import kvjax
+    from kvjax.real_model import ensure_model
+
+    folder = Path(cfg.model_dir) if cfg.model_dir else None
+    if cfg.testbed is not None:
+        from kvjax.data import step_batches
+
+        if model is None:
+            if folder is None:
+                raise ValueError("duo: testbed training needs model_dir (the testbed teacher, e.g. "
+                                 "assets/testbed-teacher)")
+            model = kvjax.load_hf(folder)
+        batch_at = step_batches(cfg.testbed, "train", cfg.batch_size, cfg.length,
+                                positions="retrieval")
+    else:
+        if model is None or tokenizer is None:
+            folder = folder or ensure_model()
+        model = model or kvjax.load_hf(folder)
+        batch_at = passkey_batches(tokenizer or transformers.AutoTokenizer.from_pretrained(folder), cfg)
 
     t0 = time.time()
     out = train_gates(model, batch_at, cfg, progress=progress)

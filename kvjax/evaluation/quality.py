@@ -71,8 +71,8 @@ def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext
     """The policy object for ``name`` at budget ``ev`` (``None`` for dense)."""
     if name == "dense":
         return None
-    if name in learned:
-        return rebudget(learned[name], ev)
+    if name in learned:       # the cache holds the trace and the generated answer
+        return rebudget(learned[name], ev, context=ctx.tokens.shape[1] + ANSWER_MAX_NEW)
     return make_policy(name, ev, params=ctx.oracle_params(ORACLES[name]) if name in ORACLES else None)
 
 

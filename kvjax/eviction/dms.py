@@ -40,6 +40,7 @@ class DMS(StaticPriority):
     """Priority ``-a_t`` from DMS's learned eviction logits (see the module docstring)."""
 
     name: ClassVar[str] = "dms"
+    export_kind: ClassVar[str] = "dms"          # its weights: kvjax.dms.export_decisions
 
     def weights(self, params):
         if not isinstance(params, dict) or "w" not in params or "b" not in params:

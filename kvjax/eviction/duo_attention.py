@@ -50,6 +50,7 @@ class DuoAttention(StaticPriority):
     evaluation sets it to the context length, so retrieval heads keep everything)."""
 
     name: ClassVar[str] = "duo_attention"
+    export_kind: ClassVar[str] = "duo"          # its gates: kvjax.duo.export_gates
 
     def gates(self, params):
         if not isinstance(params, dict) or "gates" not in params:

@@ -238,10 +238,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 for name in names[1:]:
                     if name in learned:
                         rule = cfg.learned_budgets.get(name, "uniform")
-                        # DuoAttention's retrieval heads keep the whole context: their cap is its length
-                        cap = length - cfg.sinks - cfg.window if learned[name].name == "duo_attention" else ev.k_max
-                        make = functools.partial(rebudget, learned[name], dataclasses.replace(ev, budgets=rule,
-                                                                                              k_max=cap))
+                        make = functools.partial(rebudget, learned[name], dataclasses.replace(ev, budgets=rule),
+                                                 context=length)
                     elif name in ORACLES:
                         make = lambda n=name, e=ev: make_policy(n, e, params=oracle(ORACLES[n]))   # noqa: E731
                     else:

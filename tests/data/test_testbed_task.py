@@ -26,6 +26,7 @@ from kvjax.data import (
     parse_answer,
     predictions_from_logits,
     save_tokenizer,
+    step_batches,
 )
 from kvjax.data.vocab import TOKENS, id_to_number, is_name, name_id, tok
 
@@ -193,6 +194,21 @@ def test_batch_layout_and_errors():
         batch(cfg, "train", 0, 2, 256)
     with pytest.raises(ValueError, match="split"):
         batch(cfg, "dev", 0, 2, 512)
+
+
+def test_step_batches_mark_the_predicting_positions():
+    cfg = TestbedConfig(length=256)
+    tokens, mask = step_batches(cfg, "train", 3, 260)(2)                 # problems 6, 7, 8
+    _, retrieval = step_batches(cfg, "train", 3, 260, positions="retrieval")(2)
+    for row in range(3):
+        p = generate_problem(cfg, "train", 6 + row)
+        n = len(p)
+        np.testing.assert_array_equal(tokens[row, :n], p.tokens)
+        assert mask[row].tolist() == [1.0] * (n - 1) + [0.0] * (260 - n + 1)     # position t predicts t + 1
+        want = [t - 1 for t in range(1, n) if p.category[t] in (LOOKUP_NEAR, LOOKUP_FAR) or t >= p.answer_start]
+        assert np.flatnonzero(retrieval[row]).tolist() == want and len(want) < n - 1
+    with pytest.raises(ValueError, match="positions must be"):
+        step_batches(cfg, "train", 1, 256, positions="answers")
 
 
 def test_metrics():

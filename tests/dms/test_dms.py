@@ -125,3 +125,25 @@ def test_run_dms_trains_exports_and_measures_the_ragged_memory(tiny, tmp_path):
     pol = kvjax.load_scorers(tmp_path / "out", model=tiny)
     np.testing.assert_allclose(np.asarray(pol.params["b"]), out["b"])
     assert json.loads((tmp_path / "out" / "ragged_memory.json").read_text())["max_slots"] <= 50
+
+
+def test_run_dms_on_the_testbed_trains_on_its_problems(tmp_path):
+    """``testbed:`` replaces the traces: training rows are train-split problems and the ragged
+    memory is measured on 64 valid-split problems."""
+    from flax import nnx
+
+    from kvjax.data import VOCAB_SIZE
+    from kvjax.dms.train import run_dms
+
+    cfg_m = kvjax.ModelConfig("llama", VOCAB_SIZE, 32, 64, 2, 4, 2, 16, max_position_embeddings=256)
+    model = kvjax.Decoder(cfg_m, rngs=nnx.Rngs(0))
+    tb = {"length": 128, "num_names": 16}
+    cfg = DMSConfig(steps=2, seq_len=128, batch_size=2, sinks=2, window=8, testbed=tb, work_dir=str(tmp_path / "w"),
+                    out_dir=str(tmp_path / "out"), traces="missing.jsonl")
+    out = run_dms(cfg, model=model, progress=False)
+    assert len(out["history"]) == 2 and out["ragged_memory"]["sequences"] == 64
+    assert kvjax.load_scorers(tmp_path / "out", model=model).name == "dms"
+    with pytest.raises(ValueError, match="seq_len 100 is shorter than the testbed's problems"):
+        DMSConfig(seq_len=100, testbed=tb)
+    with pytest.raises(ValueError, match="testbed training needs model_dir"):
+        run_dms(DMSConfig(testbed=tb), progress=False)

@@ -92,3 +92,30 @@ def test_passkey_sequences_end_with_the_keys_they_hide():
     assert passkey_sequence(tok, 512, 1, n_keys=5)[0] != ids
     with pytest.raises(ValueError, match="too short"):
         passkey_sequence(tok, 100, 0)
+
+
+def test_run_duo_on_the_testbed_and_the_evaluations_cap(tmp_path):
+    """``testbed:`` trains the gates on testbed problems (the lookups and the answer line in the
+    loss); the evaluations' ``rebudget`` gives retrieval heads the whole context as their cap."""
+    from flax import nnx
+
+    from kvjax.data import VOCAB_SIZE
+    from kvjax.duo.train import run_duo
+    from kvjax.evaluation.budgets import rebudget
+
+    cfg_m = kvjax.ModelConfig("llama", VOCAB_SIZE, 32, 64, 2, 4, 2, 16, max_position_embeddings=256)
+    model = kvjax.Decoder(cfg_m, rngs=nnx.Rngs(0))
+    tb = {"length": 128, "num_names": 16}
+    cfg = DuoConfig(steps=2, length=128, batch_size=2, sinks=2, window=8, testbed=tb, work_dir=str(tmp_path / "w"),
+                    out_dir=str(tmp_path / "out"))
+    out = run_duo(cfg, model=model, progress=False)
+    assert len(out["history"]) == 2 and np.asarray(out["gates"]).shape == (2, 2)
+    pol = kvjax.load_scorers(tmp_path / "out", model=model)
+    ev = kvjax.EvictionConfig(sinks=4, window=8, topk=20)
+    assert rebudget(pol, ev, context=160).config.k_max == 148
+    with pytest.raises(ValueError, match="needs the context length"):
+        rebudget(pol, ev)
+    with pytest.raises(ValueError, match="length 64 is shorter than the testbed's problems"):
+        DuoConfig(length=64, testbed=tb)
+    with pytest.raises(ValueError, match="testbed training needs model_dir"):
+        run_duo(DuoConfig(length=128, testbed=tb), progress=False)
