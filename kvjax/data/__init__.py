@@ -14,6 +14,8 @@ from kvjax.data.metrics import (
 from kvjax.data.testbed import (
     CATEGORIES,
     COMPUTE,
+    COPY_NAME,
+    COPY_OP,
     LINE_KINDS,
     LOOKUP_FAR,
     LOOKUP_NEAR,
@@ -35,7 +37,7 @@ from kvjax.data.vocab import (
 )
 
 __all__ = [
-    "BOS_ID", "CATEGORIES", "COMPUTE", "EOS_ID", "LINE_KINDS", "LOOKUP_FAR", "LOOKUP_NEAR", "OTHER",
+    "BOS_ID", "CATEGORIES", "COMPUTE", "COPY_NAME", "COPY_OP", "EOS_ID", "LINE_KINDS", "LOOKUP_FAR", "LOOKUP_NEAR", "OTHER",
     "PAD_ID", "SPLITS", "UNK_ID", "VOCAB_SIZE", "Problem", "TestbedConfig", "answer_accuracy", "apply_op",
     "batch", "build_tokenizer", "category_accuracy", "category_counts", "check_answer", "collate",
     "dataset_statistics", "decode", "generate_problem", "iter_batches", "parse_answer", "step_batches",

@@ -2,7 +2,10 @@
 
 Teacher forcing: `pred[b, t]` is the model's guess for `tokens[b, t]` (the
 argmax of the logits at position `t - 1`; `predictions_from_logits` does the
-shift). Only graded categories are scored; `graded` pools them.
+shift). Every category but `other` is scored; `graded` pools the lookups and
+the computation (`POOLED`), the answer line's copies (`copy_name`, `copy_op`)
+are reported on their own, and `answer_line` counts the rows whose whole answer
+line (from `answer_start` to `<eos>`) is predicted right.
 
 Free generation: prompt the model with `tokens[:answer_start]`, let it write
 until `<eos>`, and give the new tokens to `check_answer`.
@@ -17,6 +20,8 @@ from kvjax.data.testbed import CATEGORIES, COMPUTE, LINE_KINDS, LOOKUP_FAR, LOOK
 from kvjax.data.vocab import EOS_ID, PAD_ID, id_to_number, is_name, tok
 
 GRADED = tuple(name for name in CATEGORIES if name != "other")
+POOLED = ("lookup_near", "lookup_far", "compute")       # the `graded` pool
+POOLED_IDS = tuple(CATEGORIES.index(name) for name in POOLED)
 
 
 def predictions_from_logits(logits) -> np.ndarray:
@@ -25,18 +30,28 @@ def predictions_from_logits(logits) -> np.ndarray:
     return np.concatenate([np.full_like(guess[:, :1], -1), guess[:, :-1]], axis=1)
 
 
-def category_counts(pred, tokens, category) -> dict[str, tuple[int, int]]:
-    """`{name: (correct, total)}` for each graded category and `graded` (all of them)."""
+def category_counts(pred, tokens, category, answer_start=None) -> dict[str, tuple[int, int]]:
+    """`{name: (correct, total)}` for each graded category and `graded` (the `POOLED` ones);
+    with `answer_start` `[B]`, also `answer_line`: (rows whose every answer-line token, up to
+    and including `<eos>`, is right, rows)."""
     pred, tokens, category = np.asarray(pred), np.asarray(tokens), np.asarray(category)
     correct = pred == tokens
     masks = {name: category == CATEGORIES.index(name) for name in GRADED}
-    masks["graded"] = category != OTHER
-    return {name: (int(correct[m].sum()), int(m.sum())) for name, m in masks.items()}
+    masks["graded"] = np.isin(category, POOLED_IDS)
+    out = {name: (int(correct[m].sum()), int(m.sum())) for name, m in masks.items()}
+    if answer_start is not None:
+        cols = np.arange(tokens.shape[1])[None, :]
+        eos = np.where(tokens == EOS_ID, cols, tokens.shape[1]).min(axis=1)        # [B]
+        line = (cols >= np.asarray(answer_start)[:, None]) & (cols <= eos[:, None])
+        out["answer_line"] = (int(np.all(correct | ~line, axis=1).sum()), len(tokens))
+    return out
 
 
-def category_accuracy(pred, tokens, category) -> dict[str, float]:
-    """Teacher-forced accuracy per graded category (NaN where a category is empty)."""
-    return {name: c / t if t else float("nan") for name, (c, t) in category_counts(pred, tokens, category).items()}
+def category_accuracy(pred, tokens, category, answer_start=None) -> dict[str, float]:
+    """Teacher-forced accuracy per graded category (NaN where a category is empty); see
+    `category_counts`."""
+    return {name: c / t if t else float("nan")
+            for name, (c, t) in category_counts(pred, tokens, category, answer_start).items()}
 
 
 def parse_answer(generated) -> int | None:

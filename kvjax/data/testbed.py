@@ -37,7 +37,10 @@ A problem is a word-level trace whose memory demands mimic math reasoning:
 * The answer combines 2-4 facts picked at the end (far ones first, weighted by
   their marker's reuse probability): `query` names them, the `answer` line
   looks each up and folds them left to right. Generation for the answer check
-  starts at `answer_start`, right after the word `answer`.
+  starts at `answer_start`, right after the word `answer`. The answer line's
+  names and operators are copies from the query line, categories `copy_name`
+  and `copy_op` (graded on their own, outside the `graded` pool of lookups and
+  computation).
 
 Every problem fits in `length` tokens (the last lines are trimmed scratch), and
 its randomness comes from `SeedSequence([seed, split, index])`, so splits are
@@ -55,8 +58,8 @@ import numpy as np
 from kvjax.data.config import DERIVED_LEN, TestbedConfig, answer_len, scratch_len
 from kvjax.data.vocab import BOS_ID, EOS_ID, decode, name_id, number_id, tok
 
-OTHER, LOOKUP_NEAR, LOOKUP_FAR, COMPUTE = 0, 1, 2, 3
-CATEGORIES = ("other", "lookup_near", "lookup_far", "compute")
+OTHER, LOOKUP_NEAR, LOOKUP_FAR, COMPUTE, COPY_NAME, COPY_OP = 0, 1, 2, 3, 4, 5
+CATEGORIES = ("other", "lookup_near", "lookup_far", "compute", "copy_name", "copy_op")
 LINE_KINDS = ("header", "keep", "let", "use", "work", "answer")
 SPLITS = ("train", "valid", "test")
 
@@ -73,7 +76,7 @@ class Problem:
     """One generated problem; all arrays are aligned on token positions `[n]`.
 
     tokens:       int32, starts with `<bos>`, ends with `<eos>`.
-    category:     int8 index into `CATEGORIES` (graded tokens are not `other`).
+    category:     int8 index into `CATEGORIES` (`other`: not graded).
     deps:         int32 `[n, 2]`, the positions a token is computed from
                   (a lookup: `[source, -1]`; a compute: its two operands;
                   the answer's copies of query words and its first running
@@ -281,9 +284,10 @@ class _Builder:
         acc = None
         for i, name in enumerate(names):
             if i:
-                self.emit(tok(ops[i - 1]), OTHER, (query[2 * i - 1], -1))
+                self.emit(tok(ops[i - 1]), COPY_OP, (query[2 * i - 1], -1))
             value = self.lookup(name, reschedule=False)
             self.deps[value[0] - 1] = (query[2 * i], -1)  # the name is a copy from the query
+            self.cat[value[0] - 1] = COPY_NAME
             self.words("->")
             if i:
                 acc = self.compute(ops[i - 1], acc, value)

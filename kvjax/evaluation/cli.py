@@ -30,7 +30,8 @@ from pathlib import Path
 
 
 QUALITY_COLS = ["length", "compression", "policy", "budget", "lookup_far", "lookup_near", "compute", "graded",
-                "graded_rel", "kl", "answer", "answer_rel", "recall", "decode_diff", "problems"]
+                "graded_rel", "copy_name", "copy_op", "answer_line", "kl", "answer", "answer_se", "answer_rel",
+                "recall", "decode_diff", "problems"]
 
 
 def _markdown(rows: list[dict], cols=QUALITY_COLS) -> str:
@@ -60,7 +61,8 @@ def _fingerprint(cfg, model, scorers: dict, students: dict) -> tuple[dict, dict]
             h.update(f.read_bytes())
         return h.hexdigest()[:16]
 
-    run = {"model": str(cfg.model), "model_config": config_hash(model.config),
+    # quality-v2: the answer line's copies graded on their own (copy_name, copy_op, answer_line)
+    run = {"metric": "quality-v2", "model": str(cfg.model), "model_config": config_hash(model.config),
            "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
            "answers": cfg.answers, "batch_size": cfg.batch_size}
     policies: dict[str, dict] = {}
@@ -87,6 +89,9 @@ def run_quality(cfg) -> dict:
     students = {label: kvjax.load_hf(path) for label, path in student_dirs.items()}
     base = TestbedConfig(**cfg.testbed)
     run_fp, policy_fps = _fingerprint(cfg, model, scorer_dirs, student_dirs)
+    for label in cfg.policies:           # a changed variant recomputes only its own rows
+        if label in cfg.variants:
+            policy_fps[label] = {"variant": cfg.variants[label]}
     store = ResultsStore(cfg.out_dir, run_fp, resume=cfg.resume, policies=policy_fps)
     for name, n in sorted(store.discarded.items()):
         print(f"discarding {n} stored results of {name}: its scorer or student files changed")
@@ -121,7 +126,7 @@ def run_quality(cfg) -> dict:
                     # one-pass sparse logits equal the token-by-token decode path's (real weights)
                     check = name in learned and start == 0 and factor == cfg.length_factors[0]
                     res = evaluate_policy(ctx, name, learned, answers=cfg.answers, students=students,
-                                          path_check=check)
+                                          path_check=check, variants=cfg.variants)
                     store.add([{"key": key(factor, comp, name, i), **r} for i, r in zip(idx, res)])
                     bar.update(len(idx))
                     agg = aggregate(stored(factor, comp, name))

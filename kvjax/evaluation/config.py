@@ -20,6 +20,9 @@ class EvalConfig:
     answers: bool = True                           # also free-generation answer accuracy
     scorers: dict[str, str] = field(default_factory=dict)  # policy label -> exported scorer folder
     students: dict[str, str] = field(default_factory=dict)  # policy label -> its distilled model (HF folder)
+    # diagnostic rows: label -> {policy: a heuristic or oracle, plus EvictionConfig fields}, e.g.
+    # {policy: oracle_peak, budgets: shares, head_shares: [[100, 100], [1, 1]]} (layer 0 keeps its context)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     length_factors: list[int] = field(default_factory=lambda: [1])  # also at 2x, 4x the testbed length
     resume: bool = True                            # reuse out_dir's per-problem results of the same evaluation
     plots: bool = True                             # recall per head and eviction-map PNGs
@@ -38,7 +41,8 @@ class EvalConfig:
             raise ValueError(f"num_problems must be >= 1, got {self.num_problems}")
         from kvjax.eviction.policies import REGISTRY
 
-        unknown = [p for p in self.policies if p != "dense" and p not in REGISTRY and p not in self.scorers]
+        unknown = [p for p in self.policies if p != "dense" and p not in REGISTRY and p not in self.scorers
+                   and p not in self.variants]
         if unknown:
             raise ValueError(f"policies: unknown policy {unknown[0]!r}; known: dense, {', '.join(sorted(REGISTRY))}, "
                              f"or a label of `scorers` ({', '.join(sorted(self.scorers)) or 'none given'})")
@@ -51,6 +55,8 @@ class EvalConfig:
         clash = sorted(set(self.scorers) & (heuristics | {"dense"}))
         if clash:
             raise ValueError(f"scorers: label {clash[0]!r} is a heuristic policy's name; pick another label")
+        for label, v in self.variants.items():
+            check_variant(label, v, taken=set(REGISTRY) | set(self.scorers) | {"dense"}, learned=learned)
         stray = sorted(set(self.students) - set(self.scorers))
         if stray:
             raise ValueError(f"students: label {stray[0]!r} has no entry in `scorers`")
@@ -65,3 +71,26 @@ class EvalConfig:
             raise ValueError("set bench_model (an HF folder) or bench_preset (random weights of a preset), not both")
         if self.bench_budget < 6 or self.bench_steps < 1 or self.bench_repeats < 1:
             raise ValueError("bench_budget must be >= 6, bench_steps and bench_repeats >= 1")
+
+
+VARIANT_FIELDS = ("budgets", "head_shares", "k_max", "pyramid_beta", "adakv_alpha", "obs_window", "pool")
+
+
+def check_variant(label: str, v: dict, *, taken: set, learned: set) -> None:
+    """A ``variants`` entry: a new label, a weightless base policy and EvictionConfig fields
+    other than the budget itself (sinks, window and topk follow the compression)."""
+    from kvjax.eviction.config import EvictionConfig
+
+    if label in taken:
+        raise ValueError(f"variants: label {label!r} is already a policy's name; pick another label")
+    if not isinstance(v, dict) or "policy" not in v:
+        raise ValueError(f"variants.{label}: needs `policy` (the heuristic or oracle it varies)")
+    if v["policy"] in learned or v["policy"] not in taken - {"dense"}:
+        raise ValueError(f"variants.{label}.policy: {v['policy']!r} is not a heuristic or oracle policy")
+    bad = sorted(set(v) - {"policy", *VARIANT_FIELDS})
+    if bad:
+        raise ValueError(f"variants.{label}: {bad[0]!r} cannot be set here; allowed: policy, {', '.join(VARIANT_FIELDS)}")
+    try:
+        EvictionConfig(sinks=4, window=8, topk=1, **{k: x for k, x in v.items() if k not in ("policy", "k_max")})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"variants.{label}: {e}") from None

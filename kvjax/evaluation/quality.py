@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.data import EOS_ID, OTHER, category_counts, check_answer, predictions_from_logits
+from kvjax.data import EOS_ID, category_counts, check_answer, predictions_from_logits
+from kvjax.data.metrics import POOLED_IDS
 from kvjax.evaluation.budgets import rebudget
 from kvjax.evaluation.oracle import oracle_priorities
 from kvjax.evaluation.retention import kept_positions, retention_recall
@@ -37,7 +38,22 @@ def _kl_rows(dense_BSV, sparse_BSV, mask_BS) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(jnp.sum(kl * m, 1)), np.asarray(jnp.sum(m, 1))
 
 
-ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}   # policy name -> oracle_priorities kind
+# policy name -> oracle_priorities kind ("values": the testbed's structure, not the model's attention)
+ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union", "oracle_values": "values"}
+
+
+def value_priorities(tokens_BS, num_layers: int, num_kv_heads: int, room: int) -> np.ndarray:
+    """``float32 [L, B, K, S + room]``: every fact value (a number right after a name: definitions,
+    bindings, lookups) above every other token, each group most recent first: "keep all values"."""
+    from kvjax.data.vocab import is_name
+
+    tokens = np.asarray(tokens_BS)
+    B, S = tokens.shape
+    after_name = np.zeros((B, S + room), bool)
+    after_name[:, 1:S] = np.vectorize(is_name)(tokens[:, :-1])
+    t = np.arange(S + room, dtype=np.float32) / (S + room)
+    pri = np.where(after_name, 1.0 + t, t).astype(np.float32)
+    return np.broadcast_to(pri[None, :, None, :], (num_layers, B, num_kv_heads, S + room)).copy()
 
 
 class BatchContext:
@@ -48,7 +64,7 @@ class BatchContext:
         self.model, self.b, self.ev = model, batch, ev
         self.tokens = batch["tokens"]
         self.dense = forward(model, self.tokens)
-        self.graded = jnp.asarray(batch["category"] != OTHER)
+        self.graded = jnp.asarray(np.isin(batch["category"], POOLED_IDS))     # the KL's positions
         self.prompts_len = batch["answer_start"]
         self._oracle: dict[str, jax.Array] = {}
         self._oracle_lr = None
@@ -56,8 +72,13 @@ class BatchContext:
     def oracle_params(self, kind: str = "mean"):
         """Hindsight priorities ``[L, B, K, S + room]`` of ``kind`` (``mean``: KVpop's target)."""
         if kind not in self._oracle:
-            padded = np.pad(self.tokens, ((0, 0), (0, ANSWER_MAX_NEW)))
-            self._oracle[kind] = oracle_priorities(self.model, padded, self.ev.window, kind)
+            c = self.model.config
+            if kind == "values":
+                self._oracle[kind] = jnp.asarray(value_priorities(self.tokens, c.num_layers, c.num_kv_heads,
+                                                                  ANSWER_MAX_NEW))
+            else:
+                padded = np.pad(self.tokens, ((0, 0), (0, ANSWER_MAX_NEW)))
+                self._oracle[kind] = oracle_priorities(self.model, padded, self.ev.window, kind)
         return self._oracle[kind]
 
     def oracle_long_range(self):
@@ -67,17 +88,35 @@ class BatchContext:
         return self._oracle_lr
 
 
-def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext):
-    """The policy object for ``name`` at budget ``ev`` (``None`` for dense)."""
+def variant_config(ev: EvictionConfig, fields: dict, context: int) -> EvictionConfig:
+    """``ev`` with a variant's EvictionConfig ``fields``; a ``shares`` split without ``k_max``
+    gets the cap its largest share needs, at most the whole context."""
+    import dataclasses
+
+    out = dataclasses.replace(ev, **fields)
+    if out.budgets == "shares" and "k_max" not in fields:
+        need = int(max(max(row) for row in out.head_shares) * out.topk + 1e-9)
+        out = dataclasses.replace(out, k_max=max(out.topk, min(need, context - out.sinks - out.window)))
+    return out
+
+
+def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext, variants: dict | None = None):
+    """The policy object for ``name`` at budget ``ev`` (``None`` for dense); ``variants``:
+    ``{label: {policy: base, **EvictionConfig fields}}`` (diagnostic rows)."""
+    context = ctx.tokens.shape[1] + ANSWER_MAX_NEW       # the cache holds the trace and the generated answer
     if name == "dense":
         return None
-    if name in learned:       # the cache holds the trace and the generated answer
-        return rebudget(learned[name], ev, context=ctx.tokens.shape[1] + ANSWER_MAX_NEW)
+    if name in learned:
+        return rebudget(learned[name], ev, context=context)
+    if variants and name in variants:
+        fields = {k: v for k, v in variants[name].items() if k != "policy"}
+        name, ev = variants[name]["policy"], variant_config(ev, fields, context)
     return make_policy(name, ev, params=ctx.oracle_params(ORACLES[name]) if name in ORACLES else None)
 
 
 def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool = True,
-                    recall: bool = True, students: dict | None = None, path_check: bool = False) -> list[dict]:
+                    recall: bool = True, students: dict | None = None, path_check: bool = False,
+                    variants: dict | None = None) -> list[dict]:
     """Per-problem results of policy ``name`` on the batch: category counts, KL to the dense
     teacher, answer, retention recall ``[L][K]`` and the kept positions ``[L][K][slots]``.
     A learned policy runs on its distilled student (``students[name]``) when given.
@@ -85,7 +124,7 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
     path and record, per problem, the largest logit difference from the one-pass sparse
     path and the fraction of positions whose argmax agrees (``path_check: [diff, agree]``)."""
     model, b = (students or {}).get(name, ctx.model), ctx.b
-    pol = build_policy(name, ctx.ev, learned, ctx)
+    pol = build_policy(name, ctx.ev, learned, ctx, variants)
     if pol is None:
         logits = ctx.dense
     else:
@@ -110,7 +149,8 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
         kept = [every[:, i].tolist() for i in range(n)]
     results = []
     for i in range(n):
-        counts = category_counts(pred[i : i + 1], ctx.tokens[i : i + 1], b["category"][i : i + 1])
+        counts = category_counts(pred[i : i + 1], ctx.tokens[i : i + 1], b["category"][i : i + 1],
+                                 b["answer_start"][i : i + 1])
         results.append({"counts": {k: list(v) for k, v in counts.items()}, "kl": [float(kl_sum[i]), float(kl_n[i])],
                         "answer": right[i], "recall": rec[i], "kept": kept[i]}
                        | ({"path_check": check[i]} if check[i] is not None else {}))
@@ -140,6 +180,7 @@ def aggregate(records: list[dict]) -> dict:
     answered = [r["answer"] for r in records if r["answer"] is not None]
     if answered:
         out["answer"] = float(np.mean(answered))
+        out["answer_se"] = float(np.std(answered, ddof=1) / np.sqrt(len(answered))) if len(answered) > 1 else float("nan")
     checks = [r["path_check"] for r in records if r.get("path_check") is not None]
     if checks:
         out["decode_diff"] = max(c[0] for c in checks)

@@ -96,13 +96,14 @@ def _compare(dense_BSV, other_BSV, starts_B):
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
 
 
-def _policy(name, ev, learned, oracle):
-    """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the budget)."""
+def _policy(name, ev, learned, oracle, context: int):
+    """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the
+    budget); ``context``: the traces' (cropped) length."""
     from kvjax.evaluation.budgets import rebudget
     from kvjax.eviction.policies import make_policy
 
     if name in learned:
-        return rebudget(learned[name], ev)
+        return rebudget(learned[name], ev, context=context)
     return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
 
 
@@ -156,7 +157,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
                         continue
                     if dense is None:
                         dense = kvjax.forward(model, tokens)
-                    pol = _policy(name, ev, learned, oracle)
+                    pol = _policy(name, ev, learned, oracle, crop)
                     t0 = time.time()
                     logits = sparse_logits(model, tokens, pol) if pol.static else stepwise_logits(model, tokens, pol)
                     agree, kl, n = _compare(dense, logits, starts)

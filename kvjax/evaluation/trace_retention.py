@@ -107,7 +107,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
                 if name == "oracle":
                     pol = make_policy("oracle", ev, params=pri)
                 else:
-                    pol = rebudget(learned[name], ev) if name in learned else make_policy(name, ev)
+                    pol = rebudget(learned[name], ev, context=cfg.crop) if name in learned else make_policy(name, ev)
                 every, _ = kept_positions(model, tokens, lengths, pol)            # [L, B, K, slots]
                 rec = retention_recall(every, oracle_lr, cfg.crop)                # [L, B, K]
                 store.add([{"key": k, "id": rows[i]["id"], "policy": name,

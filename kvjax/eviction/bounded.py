@@ -27,7 +27,7 @@ from flax import struct
 import pallas_kernels
 
 from kvjax.eviction.attention import slot_attention, statistic_probs
-from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets
+from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets, shares_budgets
 from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
@@ -53,12 +53,16 @@ class BoundedPolicy:
         return self.config
 
     def head_budgets(self, params, cfg, batch: int):
-        """``int32 [L, B, K]`` long-range slots each head may fill: ``topk``, or PyramidKV's
-        layer budgets (``budgets="pyramid"``). Ada-KV's start at ``topk`` and follow the scores."""
+        """``int32 [L, B, K]`` long-range slots each head may fill: ``topk``, PyramidKV's layer
+        budgets (``budgets="pyramid"``) or a fixed split (``"shares"``). Ada-KV's start at ``topk``
+        and follow the scores."""
         ev = self.effective()
         if ev.budgets == "pyramid":
             per_layer = jnp.asarray(pyramid_budgets(cfg.num_layers, ev.topk, ev.slots, ev.pyramid_beta), jnp.int32)
             return jnp.broadcast_to(per_layer[:, None, None], (cfg.num_layers, batch, cfg.num_kv_heads))
+        if ev.budgets == "shares":
+            b = shares_budgets(ev.head_shares, ev.topk, ev.slots, (cfg.num_layers, cfg.num_kv_heads))
+            return jnp.broadcast_to(jnp.asarray(b)[:, None, :], (cfg.num_layers, batch, cfg.num_kv_heads))
         return jnp.full((cfg.num_layers, batch, cfg.num_kv_heads), ev.topk, jnp.int32)
 
     def init_policy_state(self, params, cfg, batch: int):

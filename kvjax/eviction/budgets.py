@@ -17,6 +17,8 @@ rules only choose *how many* per head, so every ranker composes with every rule
   heads whose attention is spread; the safeguard (``alpha``, default 0.2, as in kvpress) first
   guarantees each head its own ``floor(alpha m)`` best candidates. Scores must be comparable
   across heads (attention mass: SnapKV, H2O, TOVA; KVpop's predicted log future attention).
+- ``shares``: a fixed split given per head as multiples of ``topk`` (a diagnostic: "this head
+  keeps its whole context", "these heads split the same total otherwise").
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def pyramid_budgets(num_layers: int, mean: int, cap: int, beta: float = 20.0) ->
         high, low = float(cap), 2.0 * mean - cap
     x = high - np.arange(num_layers) * (high - low) / (num_layers - 1)
     return apportion(x, num_layers * mean)
+
+
+def shares_budgets(shares_LK, mean: int, cap: int, shape: tuple[int, int]) -> np.ndarray:
+    """``int [L, K]``: head ``(l, k)`` gets ``floor(shares[l][k] * mean)`` long-range slots, at
+    most ``cap`` (``budgets="shares"``); ``shape`` is the model's ``(layers, kv_heads)``."""
+    s = np.asarray(shares_LK, np.float64)
+    if s.shape != tuple(shape):
+        raise ValueError(f"head_shares has shape {s.shape}, the model needs [layers, kv_heads] = {tuple(shape)}")
+    return np.minimum(np.floor(s * mean + 1e-9), cap).astype(np.int64)
 
 
 def adakv_select(prio_BKN, candidate_BKN, n_top_B, alpha: float) -> jax.Array:

@@ -28,7 +28,9 @@ class EvictionConfig:
       (:mod:`kvjax.eviction.budgets`): ``"uniform"`` (``topk`` each), ``"pyramid"`` (PyramidKV:
       falling with depth, none above ``k_max``), ``"adakv"`` (Ada-KV: per layer, the best
       candidates of all heads, from the ranker's scores); ``pyramid_beta`` and ``adakv_alpha``
-      are their parameters (the papers' defaults 20 and 0.2).
+      are their parameters (the papers' defaults 20 and 0.2); ``"shares"`` (a fixed split, e.g. a
+      diagnostic: head ``(l, k)`` gets ``floor(head_shares[l][k] * topk)`` slots, at most ``k_max``;
+      shares of mean 1 keep the uniform total, a large share keeps that head's whole context).
     """
 
     sinks: int = 4                       # first tokens always kept
@@ -44,6 +46,7 @@ class EvictionConfig:
     budgets: str = "uniform"             # long-range slots per head: uniform | pyramid | adakv
     pyramid_beta: float = 20.0           # PyramidKV: last layer's budget = topk / beta
     adakv_alpha: float = 0.2             # Ada-KV: each head's guaranteed share of topk
+    head_shares: tuple[tuple[float, ...], ...] | None = None   # budgets="shares": [L][K] multiples of topk
 
     label: ClassVar[str] = "EvictionConfig"   # names the fields in errors ("eviction" in a train config)
 
@@ -67,8 +70,20 @@ class EvictionConfig:
             raise ValueError(f"{c}.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"{c}.prefill_chunk must be a non-negative integer, got {self.prefill_chunk!r}")
-        if self.budgets not in ("uniform", "pyramid", "adakv"):
-            raise ValueError(f"{c}.budgets must be 'uniform', 'pyramid' or 'adakv', got {self.budgets!r}")
+        if self.budgets not in ("uniform", "pyramid", "adakv", "shares"):
+            raise ValueError(f"{c}.budgets must be 'uniform', 'pyramid', 'adakv' or 'shares', got {self.budgets!r}")
+        if (self.budgets == "shares") != (self.head_shares is not None):
+            raise ValueError(f"{c}.head_shares: give it exactly when budgets='shares' (budgets={self.budgets!r})")
+        if self.head_shares is not None:
+            try:
+                rows = tuple(tuple(float(x) for x in row) for row in self.head_shares)
+            except (TypeError, ValueError):
+                raise ValueError(f"{c}.head_shares must be a [layers][kv_heads] table of numbers, "
+                                 f"got {self.head_shares!r}") from None
+            if not rows or len({len(r) for r in rows}) != 1 or any(not 0 <= x < float("inf") for r in rows for x in r):
+                raise ValueError(f"{c}.head_shares must be a non-empty rectangular [layers][kv_heads] table of "
+                                 f"finite shares >= 0, got {self.head_shares!r}")
+            object.__setattr__(self, "head_shares", rows)       # hashable (a jit static argument)
         if not self.pyramid_beta >= 1:
             raise ValueError(f"{c}.pyramid_beta must be >= 1, got {self.pyramid_beta!r}")
         if not 0.0 <= self.adakv_alpha <= 1.0:

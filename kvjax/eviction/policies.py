@@ -14,6 +14,7 @@ attention followed by selection, as kvpress does.
 | oracle         | given: the dense teacher's future attention (known in hindsight)      |
 | oracle_peak    | given, like ``oracle``; by convention the peak single-query attention  |
 | oracle_union   | given, like ``oracle``; by convention the better of the two ranks above |
+| oracle_values  | given, like ``oracle``; the testbed's fact values first (a diagnostic)  |
 | tova           | attention from the latest query (mean over the KV head's group)        |
 | h2o            | attention accumulated over all queries so far                          |
 | pyramidkv      | SnapKV's, with PyramidKV's layer budgets (:mod:`kvjax.eviction.budgets`)  |
@@ -107,6 +108,15 @@ class OracleUnion(Oracle):
     """The oracle's mechanism for ``kvjax.evaluation.oracle_priorities(kind="union")``."""
 
     name: ClassVar[str] = "oracle_union"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class OracleValues(Oracle):
+    """The oracle's mechanism for the testbed's "keep every fact value" diagnostic
+    (:meth:`kvjax.evaluation.quality.BatchContext.oracle_params` with kind ``"values"``)."""
+
+    name: ClassVar[str] = "oracle_values"
 
 
 @register

@@ -20,6 +20,7 @@ from kvjax.data import (
     batch,
     build_tokenizer,
     category_accuracy,
+    category_counts,
     check_answer,
     dataset_statistics,
     generate_problem,
@@ -228,6 +229,37 @@ def test_metrics():
     assert check_answer(span, p.answer) and check_answer(np.append(span, [PAD_ID] * 3), p.answer)
     assert not check_answer(span, (p.answer + 1) % cfg.num_values)
     assert parse_answer(span[:-2]) is None and parse_answer([tok("5"), tok(";")]) is None
+
+
+def test_answer_line_copies_are_graded_on_their_own():
+    """The answer line's names and operators are `copy_name` / `copy_op` (copies of the query
+    line, outside the `graded` pool); `answer_line` fails a row for any wrong token of its line."""
+    from kvjax.data import COPY_NAME, COPY_OP
+
+    cfg = TestbedConfig(length=512)
+    out = batch(cfg, "valid", 0, 4, 512)
+    tokens, cat, start = out["tokens"], out["category"], out["answer_start"]
+    for row in range(4):
+        p = generate_problem(cfg, "valid", row)
+        names = np.flatnonzero(p.category == COPY_NAME)
+        ops = np.flatnonzero(p.category == COPY_OP)
+        terms = len(names)
+        assert 2 <= terms <= 4 and len(ops) == terms - 1 and (names >= p.answer_start).all()
+        assert all(p.tokens[t] == p.tokens[p.deps[t, 0]] and p.deps[t, 0] < p.answer_start for t in [*names, *ops])
+        assert all(is_name(p.tokens[t]) for t in names)
+    pred = np.concatenate([np.full_like(tokens[:, :1], -1), tokens[:, 1:]], axis=1)
+    counts = category_counts(pred, tokens, cat, start)
+    assert counts["answer_line"] == (4, 4) and counts["copy_name"][0] == counts["copy_name"][1] > 0
+    graded_before = counts["graded"]
+    wrong = pred.copy()
+    first_op = np.flatnonzero(cat[1] == COPY_OP)[0]
+    wrong[1, first_op] = PAD_ID                              # one operator copy of row 1
+    counts = category_counts(wrong, tokens, cat, start)
+    assert counts["answer_line"] == (3, 4) and counts["copy_op"][0] == counts["copy_op"][1] - 1
+    assert counts["graded"] == graded_before                 # the pool is lookups and computation only
+    wrong[2, np.flatnonzero(tokens[2] == EOS_ID)[0]] = PAD_ID     # the <eos> belongs to the line
+    assert category_counts(wrong, tokens, cat, start)["answer_line"] == (2, 4)
+    assert "answer_line" not in category_counts(pred, tokens, cat)
 
 
 def test_marker_predicts_reuse_and_oracle_view():

@@ -1,4 +1,4 @@
-"""Budget allocation (PyramidKV, Ada-KV): the split's totals equal the uniform budget, the
+"""Budget allocation (PyramidKV, Ada-KV, fixed shares): the split's totals equal the uniform budget, the
 selection equals a brute force, and both settings (bounded, prefill compression) use it."""
 
 import dataclasses
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.eviction.budgets import adakv_budgets, adakv_select, apportion, pyramid_budgets
+from kvjax.eviction.budgets import adakv_budgets, adakv_select, apportion, pyramid_budgets, shares_budgets
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.policies import make_policy
 from kvjax.eviction.prompt_compressed import adakv_keep_context, prompt_compressed
@@ -38,7 +38,7 @@ def test_pyramid_and_apportion_refuse_bad_input():
         pyramid_budgets(4, 64, 128, 0.5)
     with pytest.raises(ValueError, match="not the total"):
         apportion([1.5, 2.0], 7)
-    with pytest.raises(ValueError, match="budgets must be 'uniform', 'pyramid' or 'adakv'"):
+    with pytest.raises(ValueError, match="budgets must be 'uniform', 'pyramid', 'adakv' or 'shares'"):
         EvictionConfig(budgets="duo")
     with pytest.raises(ValueError, match="adakv_alpha must be in"):
         EvictionConfig(adakv_alpha=1.5)
@@ -157,3 +157,30 @@ def test_budget_rules_compose_with_rankers_and_refuse_what_they_cannot_do(tiny):
         kvjax.generate(tiny, rows, 8, policy=knorm_ada, eos_token_id=[])
     snap_pyramid = make_policy("snapkv", EvictionConfig(sinks=2, window=4, topk=6, k_max=12, budgets="pyramid"))
     assert dataclasses.replace(make_policy("pyramidkv", snap_pyramid.config)).effective() == snap_pyramid.effective()
+
+
+def test_shares_split_fixed_budgets_and_refuse_bad_tables(tiny):
+    """``budgets="shares"``: head (l, k) fills floor(share * topk) slots, capped at k_max; the kept
+    sets follow (a head with share 0 keeps only sinks + window)."""
+    cfg = tiny.config
+    L, K = cfg.num_layers, cfg.num_kv_heads
+    shares = tuple(tuple(float(l * K + k) / (L * K - 1) * 2 for k in range(K)) for l in range(L))   # mean 1
+    ev = EvictionConfig(sinks=2, window=4, topk=10, k_max=20, budgets="shares", head_shares=shares)
+    b = np.asarray(make_policy("knorm", ev).head_budgets(None, cfg, 2))
+    np.testing.assert_array_equal(b[:, 1], np.minimum(np.floor(np.asarray(shares) * 10 + 1e-9), 20))
+    assert b[0, 0, 0] == 0 and b.max() == 20
+    assert shares_budgets([[100.0] * K] * L, 10, 20, (L, K)).max() == 20
+    from kvjax.evaluation.retention import kept_positions
+
+    tokens = np.random.RandomState(0).randint(3, 97, (1, 40))
+    _, long_range = kept_positions(tiny, tokens, np.asarray([40]), make_policy("knorm", ev))   # [L, B, K, N]
+    np.testing.assert_array_equal((long_range[:, 0] >= 0).sum(-1), b[:, 0])     # 34 candidates >= every budget
+    for bad, msg in [(dict(budgets="shares"), "give it exactly when budgets='shares'"),
+                     (dict(head_shares=((1.0,),)), "give it exactly when budgets='shares'"),
+                     (dict(budgets="shares", head_shares=((1.0, 2.0), (1.0,))), "rectangular"),
+                     (dict(budgets="shares", head_shares=((-1.0,),)), "finite shares >= 0"),
+                     (dict(budgets="shares", head_shares="ab"), "table of numbers")]:
+        with pytest.raises(ValueError, match=msg):
+            EvictionConfig(sinks=2, window=4, topk=10, **bad)
+    with pytest.raises(ValueError, match=r"head_shares has shape \(1, 1\)"):
+        make_policy("knorm", dataclasses.replace(ev, head_shares=((1.0,),))).head_budgets(None, cfg, 1)
