@@ -41,8 +41,9 @@ FORMAT_VERSION = 1
 from kvjax.config import config_hash  # noqa: E402,F401  (re-exported: kvjax.export.config_hash)
 
 
-def _policy_from_run(run_dir: Path):
-    """The trained policy of a ``train.py`` run (``distill_kvpop`` or ``distill_lkv``), latest checkpoint."""
+def _policy_from_run(run_dir: Path, step: int | None = None):
+    """The trained policy of a ``train.py`` run (``distill_kvpop`` or ``distill_lkv``) at checkpoint
+    ``step`` (default the latest): ``(policy, base config, base model name, student backbone or None)``."""
     from kvjax.configio import from_dict
     from kvjax.train.checkpoint import Checkpointer
     from kvjax.train.config import TrainConfig
@@ -63,9 +64,13 @@ def _policy_from_run(run_dir: Path):
     abstract = {"params": jax.tree.map(sds, task.params),
                 "opt_state": jax.tree.map(sds, jax.eval_shape(opt.init, task.params))}
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", cfg.checkpoint.keep, async_save=False)
-    step = ckpt.latest_step()
     if step is None:
-        raise FileNotFoundError(f"{run_dir}: no checkpoint to export")
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint to export")
+    elif step not in (steps := ckpt.all_steps()):
+        ckpt.close()
+        raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step} (kept: {sorted(steps) or 'none'})")
     state, _ = ckpt.restore(step, abstract, meta_for(cfg))
     ckpt.close()
     student = nnx.merge(task.graphdef, state["params"])
@@ -75,10 +80,22 @@ def _policy_from_run(run_dir: Path):
         from kvjax.train.distill_lkv import lkv_eviction_config
 
         policy = lkv_policy(student.lkv.heads, student.lkv.tokens, lkv_eviction_config(cfg))
-        return policy, task.model(state["params"]).config, name
+        return policy, task.model(state["params"]).config, name, None
     ev = EvictionConfig(cfg.eviction.sinks, cfg.eviction.window, cfg.eviction.topk)
     kw = {"chunk": cfg.eviction.kvpop.mlstm_chunk} if cfg.eviction.kvpop.scorer == "mlstm" else {}
-    return from_scorer(student.scorers, ev, **kw), student.backbone.config, name
+    return from_scorer(student.scorers, ev, **kw), student.backbone.config, name, student.backbone
+
+
+def export_checkpoint(run_dir, out_dir, step: int) -> tuple[Path, Path | None]:
+    """A ``distill_kvpop`` / ``distill_lkv`` run's state at checkpoint ``step``: its scorers in
+    ``out_dir/scorers`` and, where the backbone trains (KVpop), the student in ``out_dir/student``
+    (an HF folder). Returns both paths (the second None for LKV, whose backbone is frozen)."""
+    from kvjax.convert.hf_io import save_hf
+
+    policy, base_config, name, backbone = _policy_from_run(Path(run_dir), step)
+    out = Path(out_dir)
+    scorers = export_scorers(policy, out / "scorers", base_model_name=name, base_config=base_config)
+    return scorers, None if backbone is None else Path(save_hf(backbone, out / "student"))
 
 
 def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None, base_config=None) -> Path:
@@ -89,7 +106,7 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
     ``base_config`` the model's ``ModelConfig``.
     """
     if isinstance(run_or_policy, (str, os.PathLike)):
-        policy, base_config, name = _policy_from_run(Path(run_or_policy))
+        policy, base_config, name, _ = _policy_from_run(Path(run_or_policy))
         base_model_name = base_model_name or name
     else:
         policy = run_or_policy

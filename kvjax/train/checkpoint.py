@@ -46,6 +46,9 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
+    def all_steps(self) -> list[int]:
+        return list(self.mngr.all_steps())
+
     def save(self, step: int, state, meta: dict) -> None:
         self._pending = step
         try:

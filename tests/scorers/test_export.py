@@ -119,6 +119,25 @@ def test_export_from_a_distill_run(tmp_path):
     assert gen.shape == (1, 24)
     with pytest.raises(FileNotFoundError, match="scorers.safetensors: missing"):
         load_scorers(tmp_path)
+    # one checkpoint's state (here the last, step 2): the same scorers and the student backbone
+    from kvjax.export import export_checkpoint
+
+    scorers, student = export_checkpoint(tmp_path / "run", tmp_path / "at2", 2)
+    assert (scorers / "scorers.safetensors").read_bytes() == (out / "scorers.safetensors").read_bytes()
+    assert kvjax.load_hf(student).config == teacher.config
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 1 \(kept: \[2\]\)"):
+        export_checkpoint(tmp_path / "run", tmp_path / "at1", 1)
+    # quality against steps: the step's scorers on its student and on the teacher, one evaluation
+    from kvjax.evaluation.checkpoint_curve import checkpoint_curve
+
+    res = checkpoint_curve(tmp_path / "run", [2], tmp_path / "curve", num_problems=2, batch_size=2)
+    rows = {r["policy"]: r for r in res["rows"]}
+    assert set(rows) == {"dense", "s2", "s2_teacher"} and all(r["problems"] == 2 for r in rows.values())
+    assert (tmp_path / "curve" / "step-2" / "student" / "config.json").exists()
+    with pytest.raises(ValueError, match="a distill_kvpop run is needed"):
+        (tmp_path / "pre").mkdir()
+        (tmp_path / "pre" / "config.json").write_text(json.dumps({"mode": "pretrain"}))
+        checkpoint_curve(tmp_path / "pre", [2], tmp_path / "c2")
 
 
 def test_lkv_round_trip_budgets_and_pytorch_reference(tmp_path):
