@@ -126,3 +126,18 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 def _is_range(pair: tuple, lowest: int) -> bool:
     return len(pair) == 2 and all(isinstance(v, numbers.Integral) for v in pair) and lowest <= pair[0] <= pair[1]
+
+
+def testbed_field(value, owner: str, length: int, what: str) -> TestbedConfig | None:
+    """A config's optional ``testbed`` field as a ``TestbedConfig`` (a mapping is converted; YAML
+    already gives one), refused when problems of its length would not fit ``length`` tokens
+    (``what`` names that field in the error)."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        value = TestbedConfig(**value)
+    if not isinstance(value, TestbedConfig):
+        raise ValueError(f"{owner}: testbed must be a mapping of TestbedConfig fields, got {value!r}")
+    if length < value.length:
+        raise ValueError(f"{owner}: {what} {length} is shorter than the testbed's problems ({value.length})")
+    return value

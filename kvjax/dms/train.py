@@ -32,7 +32,7 @@ from flax import nnx
 
 from kvjax.eviction.dms import dms_logits
 from kvjax.losses import kl_distill
-from kvjax.data.config import TestbedConfig
+from kvjax.data.config import TestbedConfig, testbed_field
 from kvjax.train.progress_file import load_progress, save_progress
 from pallas_kernels.reference import grouped_attention
 
@@ -68,14 +68,8 @@ class DMSConfig:
         if not 0.0 < self.target < 1.0 or not 0.0 <= self.ramp <= 1.0 or not self.tau > 0 or not self.lr > 0:
             raise ValueError(f"dms: need 0 < target < 1, 0 <= ramp <= 1, tau > 0, lr > 0 (got target={self.target}, "
                              f"ramp={self.ramp}, tau={self.tau}, lr={self.lr})")
-        if isinstance(self.testbed, dict):       # programmatic use; YAML already gives a TestbedConfig
-            object.__setattr__(self, "testbed", TestbedConfig(**self.testbed))
-        if self.testbed is not None and not isinstance(self.testbed, TestbedConfig):
-            raise ValueError(f"dms: testbed must be a mapping of TestbedConfig fields, got {self.testbed!r}")
-        if self.testbed is not None:
-            tb = self.testbed
-            if self.seq_len < tb.length:
-                raise ValueError(f"dms: seq_len {self.seq_len} is shorter than the testbed's problems ({tb.length})")
+        # a mapping (programmatic use) becomes a TestbedConfig: hashable, as a jit static argument
+        object.__setattr__(self, "testbed", testbed_field(self.testbed, "dms", self.seq_len, "seq_len"))
 
 
 def init_decisions(cfg_model, init_bias: float, seed: int = 0) -> dict:

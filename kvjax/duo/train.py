@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from kvjax.models.attention import dense_attention
-from kvjax.data.config import TestbedConfig
+from kvjax.data.config import TestbedConfig, testbed_field
 from kvjax.train.progress_file import load_progress, save_progress
 
 
@@ -62,14 +62,7 @@ class DuoConfig:
             raise ValueError(f"duo: sinks must be >= 0, got {self.sinks}")
         if not self.lr > 0 or not self.reg >= 0:
             raise ValueError(f"duo: lr must be > 0 and reg >= 0, got lr={self.lr}, reg={self.reg}")
-        if isinstance(self.testbed, dict):       # programmatic use; YAML already gives a TestbedConfig
-            object.__setattr__(self, "testbed", TestbedConfig(**self.testbed))
-        if self.testbed is not None and not isinstance(self.testbed, TestbedConfig):
-            raise ValueError(f"duo: testbed must be a mapping of TestbedConfig fields, got {self.testbed!r}")
-        if self.testbed is not None:
-            if self.length < self.testbed.length:
-                raise ValueError(f"duo: length {self.length} is shorter than the testbed's problems "
-                                 f"({self.testbed.length})")
+        object.__setattr__(self, "testbed", testbed_field(self.testbed, "duo", self.length, "length"))
 
 
 def streaming_visible(positions_BS, sinks: int, window: int):

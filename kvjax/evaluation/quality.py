@@ -45,12 +45,12 @@ ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union", "or
 def value_priorities(tokens_BS, num_layers: int, num_kv_heads: int, room: int) -> np.ndarray:
     """``float32 [L, B, K, S + room]``: every fact value (a number right after a name: definitions,
     bindings, lookups) above every other token, each group most recent first: "keep all values"."""
-    from kvjax.data.vocab import is_name
+    from kvjax.data.vocab import MAX_NAMES, NAME_BASE
 
     tokens = np.asarray(tokens_BS)
     B, S = tokens.shape
     after_name = np.zeros((B, S + room), bool)
-    after_name[:, 1:S] = np.vectorize(is_name)(tokens[:, :-1])
+    after_name[:, 1:S] = (tokens[:, :-1] >= NAME_BASE) & (tokens[:, :-1] < NAME_BASE + MAX_NAMES)
     t = np.arange(S + room, dtype=np.float32) / (S + room)
     pri = np.where(after_name, 1.0 + t, t).astype(np.float32)
     return np.broadcast_to(pri[None, :, None, :], (num_layers, B, num_kv_heads, S + room)).copy()
