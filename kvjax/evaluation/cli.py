@@ -65,6 +65,8 @@ def _fingerprint(cfg, model, scorers: dict, students: dict) -> tuple[dict, dict]
     run = {"metric": "quality-v2", "model": str(cfg.model), "model_config": config_hash(model.config),
            "weights": digest(Path(cfg.model)), "testbed": dict(cfg.testbed), "split": cfg.split,
            "answers": cfg.answers, "batch_size": cfg.batch_size}
+    if cfg.window is not None:        # only when set: stores of the default budgets stay valid
+        run["window"] = cfg.window
     policies: dict[str, dict] = {}
     for part, paths in (("scorer", scorers), ("student", students)):
         for label, path in sorted(paths.items()):
@@ -112,7 +114,7 @@ def run_quality(cfg) -> dict:
     for factor in cfg.length_factors:
         tb = base.scaled(factor) if factor > 1 else base
         for comp in cfg.compressions:
-            ev = budget_for(tb.length, comp)
+            ev = budget_for(tb.length, comp, window=cfg.window)
             bar.write(f"length {tb.length}, compression {comp:.0%}: budget {ev.budget} = {ev.sinks} sinks + "
                       f"{ev.window} window + {ev.topk} top-k")
             for start in range(0, cfg.num_problems, cfg.batch_size):
@@ -139,7 +141,7 @@ def run_quality(cfg) -> dict:
         tb = base.scaled(factor) if factor > 1 else base
         dense = aggregate(stored(factor, cfg.compressions[0], "dense")) if "dense" in policies else None
         for comp in cfg.compressions:
-            ev = budget_for(tb.length, comp)
+            ev = budget_for(tb.length, comp, window=cfg.window)
             for name in policies:
                 agg = aggregate(stored(factor, comp, name))
                 row = {"length": tb.length, "compression": comp, "policy": name,

@@ -16,6 +16,7 @@ class EvalConfig:
     num_problems: int = 500
     policies: list[str] = field(default_factory=lambda: ["dense", "streaming_llm", "oracle"])
     compressions: list[float] = field(default_factory=lambda: [0.75])
+    window: int | None = None                      # recent-window tokens at every compression (default: budget / 16)
     batch_size: int = 16
     answers: bool = True                           # also free-generation answer accuracy
     scorers: dict[str, str] = field(default_factory=dict)  # policy label -> exported scorer folder
@@ -65,6 +66,8 @@ class EvalConfig:
         for c in self.compressions:
             if not 0.0 <= c < 1.0:
                 raise ValueError(f"compressions: each must be in [0, 1), got {c}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1 (or null for budget / 16), got {self.window}")
         if any(n < 1 for n in self.bench_lengths) or any(b < 1 for b in self.bench_batches):
             raise ValueError("bench_lengths and bench_batches must be positive")
         if self.bench_model is not None and self.bench_preset is not None:

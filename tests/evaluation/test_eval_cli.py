@@ -94,6 +94,24 @@ def test_quality_mode_resumes_without_recomputing_or_mixing(tmp_path):
     assert json.dumps(a) == json.dumps(b)   # (text: NaN entries compare equal)
     other = _eval(*common[:-2], "testbed={length: 160, num_names: 16}", common[-1], f"out_dir={tmp_path / 'part'}")
     assert other.returncode != 0 and "differs in: testbed" in other.stderr
+    # a fixed window is another budget: refused too, not mixed with the default window's records
+    fixed = _eval(*common, "window=2", f"out_dir={tmp_path / 'part'}")
+    assert fixed.returncode != 0 and "differs in: window" in fixed.stderr
+
+
+def test_budget_for_window():
+    """The default window is 1/16 of the budget; a fixed window replaces it and the budget total
+    is unchanged; a window that leaves no top-k slot is refused."""
+    import pytest
+
+    from kvjax.evaluation.budgets import budget_for
+
+    d = budget_for(512, 0.94)
+    assert (d.sinks, d.window, d.topk) == (4, 2, 25)
+    f = budget_for(512, 0.94, window=4)
+    assert (f.sinks, f.window, f.topk) == (4, 4, 23) and f.budget == d.budget == 31
+    with pytest.raises(ValueError, match="leaves no top-k slot after 4 sinks \\+ 27 window"):
+        budget_for(512, 0.94, window=27)
 
 
 def test_bench_mode_small(tmp_path):
@@ -129,7 +147,8 @@ def test_eval_config_errors_name_the_problem():
                     (dict(scorers={"h2o": "x"}), "'h2o' is a heuristic policy's name"),
                     (dict(scorers={"a": "x"}, students={"b": "y"}), "students: label 'b' has no entry"),
                     (dict(length_factors=[0]), "length_factors must be positive"),
-                    (dict(compressions=[1.0]), "compressions: each must be in")]:
+                    (dict(compressions=[1.0]), "compressions: each must be in"),
+                    (dict(window=0), "window must be >= 1")]:
         with pytest.raises(ValueError, match=msg):
             EvalConfig(**kw)
     assert EvalConfig(scorers={"kvpop_mlstm": "x"}, policies=["dense", "kvpop_mlstm"]).policies[1] == "kvpop_mlstm"
