@@ -123,7 +123,8 @@ quality: install
 	$(PY) eval.py --config configs/testbed-ranking.yaml
 
 # The long testbed teacher (issue 21, item 5): the shipped teacher trained on at 512 / 1024 / 2048
-# tokens, shipped as assets/testbed-teacher-long (the README gives its time).
+# tokens, shipped as assets/testbed-teacher-long (the README gives its time). It replaces the committed
+# folder, which tests/project/test_shipped_teachers.py checks.
 teacher-long: install
 	$(PY) train.py --config configs/testbed-teacher-long.yaml
 	rm -rf assets/testbed-teacher-long.tmp && cp -r runs/testbed-teacher-long/hf assets/testbed-teacher-long.tmp

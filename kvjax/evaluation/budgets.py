@@ -31,6 +31,9 @@ def fixed_window_budget(length: int, compression: float, *, sinks: int, window: 
     """``EvictionConfig`` with the given sinks and window and ``topk`` filling the rest of
     ``round((1 - compression) * length)`` slots (the real-model evaluations' budgets)."""
     total = int(round((1.0 - compression) * length))
+    if sinks + window > total:
+        raise ValueError(f"{sinks} sinks + {window} window exceed the budget of {total} slots "
+                         f"({compression:.0%} of {length} tokens); lower the window or the compression")
     return EvictionConfig(sinks=sinks, window=window, topk=total - sinks - window)
 
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 
-QUALITY_COLS = ["length", "compression", "policy", "budget", "lookup_far", "lookup_near", "compute", "graded",
+QUALITY_COLS = ["length", "compression", "policy", "budget", "window", "lookup_far", "lookup_near", "compute", "graded",
                 "graded_rel", "copy_name", "copy_op", "answer_line", "kl", "answer", "answer_se", "answer_rel",
                 "recall", "decode_diff", "problems"]
 
@@ -145,7 +145,8 @@ def run_quality(cfg) -> dict:
             for name in policies:
                 agg = aggregate(stored(factor, comp, name))
                 row = {"length": tb.length, "compression": comp, "policy": name,
-                       "budget": "dense" if name == "dense" else ev.budget, **agg}
+                       "budget": "dense" if name == "dense" else ev.budget,
+                       "window": "" if name == "dense" else ev.window, **agg}
                 if dense:
                     row["graded_rel"] = agg["graded"] / dense["graded"] if dense["graded"] else float("nan")
                     if "answer" in agg and dense.get("answer"):

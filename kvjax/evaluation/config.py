@@ -66,8 +66,20 @@ class EvalConfig:
         for c in self.compressions:
             if not 0.0 <= c < 1.0:
                 raise ValueError(f"compressions: each must be in [0, 1), got {c}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1 (or null for budget / 16), got {self.window}")
+        if self.window is not None:
+            if self.window < 1:
+                raise ValueError(f"window must be >= 1 (or null for budget / 16), got {self.window}")
+            if self.mode == "quality":        # every budget of the run, before any problem is evaluated
+                from kvjax.data import TestbedConfig
+                from kvjax.evaluation.budgets import budget_for
+
+                length = TestbedConfig(**self.testbed).length
+                for f in self.length_factors:
+                    for c in self.compressions:
+                        try:
+                            budget_for(length * f, c, window=self.window)
+                        except ValueError as e:
+                            raise ValueError(f"window: {e}") from None
         if any(n < 1 for n in self.bench_lengths) or any(b < 1 for b in self.bench_batches):
             raise ValueError("bench_lengths and bench_batches must be positive")
         if self.bench_model is not None and self.bench_preset is not None:

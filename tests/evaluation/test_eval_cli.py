@@ -97,6 +97,14 @@ def test_quality_mode_resumes_without_recomputing_or_mixing(tmp_path):
     # a fixed window is another budget: refused too, not mixed with the default window's records
     fixed = _eval(*common, "window=2", f"out_dir={tmp_path / 'part'}")
     assert fixed.returncode != 0 and "differs in: window" in fixed.stderr
+    # ... and in its own folder it reaches every budget: same total, the window as given
+    own = _eval(*common[:1], "num_problems=2", *common[2:], "window=5", f"out_dir={tmp_path / 'w5'}")
+    assert own.returncode == 0, own.stderr[-3000:]
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "w5" / "results.json").read_text())["rows"]}
+    default = {r["policy"]: r for r in a}
+    assert rows["streaming_llm"]["window"] == 5 and default["streaming_llm"]["window"] == 2   # 32 / 16
+    assert rows["streaming_llm"]["budget"] == default["streaming_llm"]["budget"] == 32
+    assert "| streaming_llm | 32 | 5 |" in (tmp_path / "w5" / "results.md").read_text()
 
 
 def test_budget_for_window():
@@ -104,7 +112,7 @@ def test_budget_for_window():
     is unchanged; a window that leaves no top-k slot is refused."""
     import pytest
 
-    from kvjax.evaluation.budgets import budget_for
+    from kvjax.evaluation.budgets import budget_for, fixed_window_budget
 
     d = budget_for(512, 0.94)
     assert (d.sinks, d.window, d.topk) == (4, 2, 25)
@@ -112,6 +120,10 @@ def test_budget_for_window():
     assert (f.sinks, f.window, f.topk) == (4, 4, 23) and f.budget == d.budget == 31
     with pytest.raises(ValueError, match="leaves no top-k slot after 4 sinks \\+ 27 window"):
         budget_for(512, 0.94, window=27)
+    # the real-model evaluations' fixed budgets: sinks + window may fill the budget, not exceed it
+    assert fixed_window_budget(1024, 0.94, sinks=4, window=32).topk == 25
+    with pytest.raises(ValueError, match="4 sinks \\+ 32 window exceed the budget of 31 slots"):
+        fixed_window_budget(512, 0.94, sinks=4, window=32)
 
 
 def test_bench_mode_small(tmp_path):
@@ -148,7 +160,9 @@ def test_eval_config_errors_name_the_problem():
                     (dict(scorers={"a": "x"}, students={"b": "y"}), "students: label 'b' has no entry"),
                     (dict(length_factors=[0]), "length_factors must be positive"),
                     (dict(compressions=[1.0]), "compressions: each must be in"),
-                    (dict(window=0), "window must be >= 1")]:
+                    (dict(window=0), "window must be >= 1"),
+                    (dict(window=16, compressions=[0.75, 0.97], testbed={"length": 512}),
+                     "window: a budget of 15 slots \\(97% of 512 tokens\\) leaves no top-k slot")]:
         with pytest.raises(ValueError, match=msg):
             EvalConfig(**kw)
     assert EvalConfig(scorers={"kvpop_mlstm": "x"}, policies=["dense", "kvpop_mlstm"]).policies[1] == "kvpop_mlstm"

@@ -1,5 +1,5 @@
-"""Every shipped evaluation and training config parses under its schema, so a renamed field or a
-typo in configs/ fails here and not an hour into a run."""
+"""Every config in configs/ parses under the schema of the command that reads it, so a renamed
+field or a typo fails here and not an hour into a run; a new config with no known schema fails too."""
 
 import os
 import sys
@@ -11,35 +11,53 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from paths import ROOT  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "configs")
+# file-name prefix -> (module, schema) of the command that reads configs without a `mode:`
+BY_PREFIX = {"dms-": ("kvjax.dms.train", "DMSConfig"), "duo-": ("kvjax.duo.train", "DuoConfig"),
+             "features-": ("kvjax.scorer_fit.features", "FeatureConfig"),
+             "scorers-": ("kvjax.scorer_fit.fit", "FitConfig"),
+             "fidelity-": ("kvjax.evaluation.trace_fidelity", "FidelityConfig"),
+             "retention-": ("kvjax.evaluation.trace_retention", "RetentionConfig"),
+             "longctx-": ("kvjax.longctx.run", "LongCtxConfig"), "traces-": ("kvjax.traces.run", "TraceConfig")}
+BY_MODE = {"quality": ("kvjax.evaluation.config", "EvalConfig"), "bench": ("kvjax.evaluation.config", "EvalConfig"),
+           "pretrain": ("kvjax.train.config", "TrainConfig"), "distill_kvpop": ("kvjax.train.config", "TrainConfig"),
+           "distill_lkv": ("kvjax.train.config", "TrainConfig")}
+NAMES = sorted(n for n in os.listdir(CONFIGS) if n.endswith(".yaml"))
 
 
-def _by_mode(*modes):
-    out = []
-    for name in sorted(os.listdir(CONFIGS)):
-        with open(os.path.join(CONFIGS, name)) as f:
-            if yaml.safe_load(f).get("mode") in modes:
-                out.append(name)
-    return out
+def _schema(name: str):
+    import importlib
+
+    with open(os.path.join(CONFIGS, name)) as f:
+        mode = (yaml.safe_load(f) or {}).get("mode")
+    spec = BY_MODE.get(mode) or next((v for k, v in BY_PREFIX.items() if name.startswith(k)), None)
+    assert spec is not None, f"configs/{name}: no schema known for it (mode {mode!r}); add it to this test"
+    return getattr(importlib.import_module(spec[0]), spec[1])
 
 
-@pytest.mark.parametrize("name", _by_mode("quality", "bench"))
-def test_eval_configs_parse(name):
+@pytest.mark.parametrize("name", NAMES)
+def test_every_config_parses_under_its_schema(name):
     from kvjax.configio import load_config
+
+    schema = _schema(name)
+    cfg = load_config(schema, os.path.join(CONFIGS, name))
+    assert type(cfg) is schema
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("testbed-") and "teacher" not in n
+                                  and "distill" not in n])
+def test_testbed_eval_configs_budgets_and_shipped_weights(name):
+    """Each testbed evaluation's budgets exist at every length, and the weights it names under
+    assets/ are shipped (run outputs under runs/ are made by `make quality` / `quality-long`)."""
+    from kvjax.configio import load_config
+    from kvjax.data import TestbedConfig
+    from kvjax.evaluation.budgets import budget_for
     from kvjax.evaluation.config import EvalConfig
 
     cfg = load_config(EvalConfig, os.path.join(CONFIGS, name))
-    assert cfg.policies and all(0.0 <= c < 1.0 for c in cfg.compressions)
-
-
-@pytest.mark.parametrize("name", _by_mode("pretrain", "distill_kvpop", "distill_lkv"))
-def test_train_configs_parse(name):
-    from kvjax.configio import load_config
-    from kvjax.train.config import TrainConfig
-
-    cfg = load_config(TrainConfig, os.path.join(CONFIGS, name))
-    assert cfg.total_steps >= 1
-
-
-def test_quality_configs_were_found():
-    assert {"testbed-quality.yaml", "testbed-ranking.yaml", "testbed-long.yaml"} <= set(_by_mode("quality"))
-    assert "testbed-teacher-long.yaml" in _by_mode("pretrain")
+    length = TestbedConfig(**cfg.testbed).length
+    for f in cfg.length_factors:
+        for c in cfg.compressions:
+            assert budget_for(length * f, c, window=cfg.window).topk >= 1
+    for path in [cfg.model, *cfg.scorers.values(), *cfg.students.values()]:
+        if path.startswith("assets/"):
+            assert os.path.isdir(os.path.join(ROOT, path)), f"configs/{name} names {path}, which is not shipped"
