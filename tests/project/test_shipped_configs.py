@@ -45,19 +45,13 @@ def test_every_config_parses_under_its_schema(name):
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("testbed-") and "teacher" not in n
                                   and "distill" not in n])
-def test_testbed_eval_configs_budgets_and_shipped_weights(name):
-    """Each testbed evaluation's budgets exist at every length, and the weights it names under
-    assets/ are shipped (run outputs under runs/ are made by `make quality` / `quality-long`)."""
+def test_testbed_eval_configs_name_shipped_weights(name):
+    """The weights a testbed evaluation names under assets/ are shipped (run outputs under runs/
+    are made by `make quality` / `quality-long`; its budgets are checked when the config loads)."""
     from kvjax.configio import load_config
-    from kvjax.data import TestbedConfig
-    from kvjax.evaluation.budgets import budget_for
     from kvjax.evaluation.config import EvalConfig
 
     cfg = load_config(EvalConfig, os.path.join(CONFIGS, name))
-    length = TestbedConfig(**cfg.testbed).length
-    for f in cfg.length_factors:
-        for c in cfg.compressions:
-            assert budget_for(length * f, c, window=cfg.window).topk >= 1
     for path in [cfg.model, *cfg.scorers.values(), *cfg.students.values()]:
         if path.startswith("assets/"):
             assert os.path.isdir(os.path.join(ROOT, path)), f"configs/{name} names {path}, which is not shipped"
