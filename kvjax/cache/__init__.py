@@ -14,11 +14,13 @@ the policy itself as static. The caches:
 - :class:`BoundedCache`: one :class:`SlotBuffer` of ``s + w + k_max`` slots per layer and
   KV head (the eviction policies of :mod:`kvjax.eviction`);
 - :class:`CompressedCache`: the dense cache with a per-head visibility mask (prefill
-  compression, kvpress's setting).
+  compression, kvpress's setting), and :class:`CompactCache`, the same with the evicted
+  entries dropped (what a decode after the compression reads).
 """
 
-from kvjax.cache.compressed import CompressedCache
+from kvjax.cache.compressed import CompactCache, CompressedCache
 from kvjax.cache.dense import DenseCache, DenseKV, dense_cache_attention
 from kvjax.cache.slots import BoundedCache, SlotBuffer
 
-__all__ = ["DenseCache", "DenseKV", "dense_cache_attention", "BoundedCache", "SlotBuffer", "CompressedCache"]
+__all__ = ["DenseCache", "DenseKV", "dense_cache_attention", "BoundedCache", "SlotBuffer", "CompressedCache",
+           "CompactCache"]

@@ -18,8 +18,10 @@ StreamingLLM ranks nothing (``s`` sinks + the ``c_b - s`` most recent context to
 
 The cache is the dense one with a per-head visibility mask ``[B, K, T]``: the attention
 outputs equal those of a cache that dropped the evicted entries (as kvpress does; RoPE is
-applied before caching, so kept keys keep their positions), but the memory is not saved —
-this wrapper measures quality; the bounded cache is the memory-saving mechanism.
+applied before caching, so kept keys keep their positions). The memory is saved once the
+evicted entries are dropped: :func:`kvjax.eviction.shared_prefill.answer` decodes from the
+:class:`~kvjax.cache.CompactCache` (``kvjax.cache.compressed.compact``); the bounded cache is
+the mechanism that never holds more than its budget.
 Policies with learned per-head budgets (LKV-H: ``lkv``, ``lkv_kvpop_mlstm``) split the same
 total across heads: head ``h`` of layer ``l`` keeps ``floor(b_lh (c_b - s - w) / topk)`` top
 tokens besides its sinks and window, ``b_lh`` its long-range budget at the ranker's ``topk``

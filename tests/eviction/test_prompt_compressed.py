@@ -146,3 +146,38 @@ def test_one_shared_prefill_answers_like_the_one_pass_prefill(mqa):
     with pytest.raises(ValueError, match="keep_queries=True"):
         compress(prompt_compressed(kvjax.make_policy("snapkv", ev), 0.5, n), model,
                  prefill_context(model, ctx, cache_len=128, keep_queries=False))
+
+
+def test_compact_drops_the_evicted_entries_in_position_order(mqa):
+    """``compact``: slot ``j < M`` of row b / head k holds the j-th kept context token (its key
+    and value), the mask shows exactly the kept count and every slot from ``M`` on, a token
+    at position ``p >= n_b`` goes to slot ``p - shift_b``; too few slots are refused."""
+    from kvjax.cache.compressed import compact, kept_context
+    from kvjax.eviction.shared_prefill import answer, compress, prefill_context
+
+    model, _ = mqa
+    rs = np.random.RandomState(5)
+    ctx = [rs.permutation(np.arange(3, 97))[:n].tolist() for n in (60, 41)]
+    n = np.array([len(c) for c in ctx])
+    pre = prefill_context(model, ctx, cache_len=96, keep_queries=False)
+    full = compress(prompt_compressed(kvjax.make_policy("knorm", kvjax.EvictionConfig(2, 4, 8)), 0.75, n), model,
+                    pre)
+    M = kept_context(full, n)
+    assert M == round(0.25 * 60)                              # uniform budget: the longest row keeps the most
+    small = compact(full, n, extra=8, slots=M + 3)
+    np.testing.assert_array_equal(np.asarray(small.shift), n - (M + 3))
+    for layer in (0, len(full.keep) - 1):
+        keep = np.asarray(full.keep[layer])
+        for b in range(2):
+            for k in range(keep.shape[1]):
+                kept = np.flatnonzero(keep[b, k, : n[b]])                     # positions, ascending
+                np.testing.assert_array_equal(np.asarray(small.dense.k[layer][b, k, : len(kept)]),
+                                              np.asarray(full.dense.k[layer][b, k, kept]))
+                np.testing.assert_array_equal(np.asarray(small.dense.v[layer][b, k, : len(kept)]),
+                                              np.asarray(full.dense.v[layer][b, k, kept]))
+                vis = np.asarray(small.visible[layer][b, k])
+                assert set(np.flatnonzero(vis)) == set(range(len(kept))) | set(range(M + 3, M + 3 + 8))
+    with pytest.raises(ValueError, match=f"slots={M - 1} cannot hold a head's {M} kept"):
+        compact(full, n, extra=8, slots=M - 1)
+    with pytest.raises(ValueError, match="slots past the context"):
+        answer(model, compact(full, n, extra=8), [[5, 6], [7]], n, 32, eos_ids=[])
