@@ -19,6 +19,7 @@ import numpy as np
 from flax import struct
 
 from kvjax.cache.dense import DenseCache, dense_cache_attention
+from kvjax.sampling import bucket
 
 
 @struct.dataclass
@@ -35,11 +36,6 @@ class CompactCache:
     visible: tuple[jax.Array, ...]   # per layer bool [B, K, M + R]: kept context slots and every slot >= M
     shift: jax.Array                 # int32 [B]: the token at position p (past the context) sits in slot p - shift_b
     extra: int = struct.field(pytree_node=False, default=0)   # R: slots for the question and new tokens
-
-    @property
-    def context_slots(self) -> int:
-        """``M``: the slots of the kept context (each head's kept count, padded to the largest)."""
-        return self.dense.k[0].shape[2] - self.extra
 
 
 def kept_context(cache: CompressedCache, context_B) -> int:
@@ -66,12 +62,16 @@ def _compact(cache: CompressedCache, context_B, *, slots: int, extra: int) -> Co
                         extra=extra)
 
 
-def compact(cache: CompressedCache, context_B, *, extra: int, slots: int | None = None) -> CompactCache:
-    """``cache`` with its evicted context entries dropped: ``slots`` (default: :func:`kept_context`)
-    context slots per row and KV head, then ``extra`` empty slots for the tokens that follow the
-    context (positions ``n_b ..``). ``slots`` must hold every head's kept context."""
+def compact(cache: CompressedCache, context_B, *, extra: int, slots: int | None = None,
+            bucketed: bool = False) -> CompactCache:
+    """``cache`` with its evicted context entries dropped: ``slots`` (default: :func:`kept_context`,
+    rounded up by :func:`kvjax.sampling.bucket` when ``bucketed``, so a few compiled programs serve
+    many batches) context slots per row and KV head, then ``extra`` empty slots for the tokens
+    that follow the context (positions ``n_b ..``). ``slots`` must hold every head's kept context."""
     need = kept_context(cache, context_B)
-    slots = need if slots is None else int(slots)
+    if slots is None:
+        slots = min(bucket(need), cache.keep[0].shape[-1]) if bucketed else need
+    slots = int(slots)
     if slots < need:
         raise ValueError(f"compact: slots={slots} cannot hold a head's {need} kept context tokens")
     if slots > cache.keep[0].shape[-1] or extra < 1:

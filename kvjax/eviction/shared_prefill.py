@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx, struct
 
 from kvjax.cache import CompactCache, CompressedCache, DenseCache, dense_cache_attention
-from kvjax.cache.compressed import attend_compact, compact, kept_context
+from kvjax.cache.compressed import attend_compact, compact
 from kvjax.eviction.prompt_compressed import PromptCompressed
 from kvjax.generate import decode_loop
 from kvjax.sampling import bucket
@@ -145,8 +145,7 @@ def answer(model, cache: CompressedCache | CompactCache, questions, context_B, m
         need = int(np.max(np.asarray(context_B) + q)) + N
         if need > T:
             raise ValueError(f"the cache holds {T} slots; contexts + questions + max_new need {need}")
-        slots = min(bucket(kept_context(cache, context_B)), T)       # bucketed: a few compiled programs
-        cache = compact(cache, context_B, extra=Q + N, slots=slots)
+        cache = compact(cache, context_B, extra=Q + N, bucketed=True)
     elif cache.extra < Q + N:
         raise ValueError(f"the compact cache has {cache.extra} slots past the context; the padded questions "
                          f"and max_new need {Q + N}")
