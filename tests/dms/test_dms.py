@@ -127,6 +127,7 @@ def test_run_dms_trains_exports_and_measures_the_ragged_memory(tiny, tmp_path):
     assert json.loads((tmp_path / "out" / "ragged_memory.json").read_text())["max_slots"] <= 50
 
 
+@pytest.mark.integration        # a 26 s training run: make test, not the test-fast loop
 def test_run_dms_on_the_testbed_trains_on_its_problems(tmp_path):
     """``testbed:`` replaces the traces: training rows are train-split problems and the ragged
     memory is measured on 64 valid-split problems."""
