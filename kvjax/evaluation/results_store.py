@@ -124,3 +124,49 @@ class ResultsStore:
             os.fsync(f.fileno())
         for rec in records:
             self.records[rec["key"]] = rec
+
+
+def _fingerprint(folder: Path) -> dict:
+    path = Path(folder) / "fingerprint.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no fingerprint.json (not a results folder)")
+    return _split_legacy(json.loads(path.read_text()))
+
+
+def merge_into(dst, src) -> int:
+    """Append ``src``'s records that ``dst`` lacks, so two runs of one evaluation on disjoint
+    work (e.g. one length each, in two processes) end in one folder. Refused unless both
+    folders hold the same evaluation (``run``) and every policy both hold has the same
+    fingerprint; both folders are locked meanwhile. Returns the number of records added."""
+    fd, fs = _fingerprint(dst), _fingerprint(src)
+    if fd["run"] != fs["run"]:
+        diff = sorted(k for k in set(fd["run"]) | set(fs["run"]) if fd["run"].get(k) != fs["run"].get(k))
+        raise ValueError(f"{src} and {dst} hold different evaluations (differ in: {', '.join(diff)})")
+    clash = sorted(p for p in fs["policies"] if p in fd["policies"] and fs["policies"][p] != fd["policies"][p])
+    if clash:
+        raise ValueError(f"{src} and {dst} evaluated {', '.join(clash)} with different files (scorers)")
+    source = ResultsStore(src, fs["run"], policies=fs["policies"])
+    try:
+        target = ResultsStore(dst, fd["run"], policies=fs["policies"])
+        try:
+            new = [r for k, r in source.records.items() if k not in target.records]
+            target.add(new)
+            return len(new)
+        finally:
+            target.close()
+    finally:
+        source.close()
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvjax.evaluation.results_store",
+                                 description="Merge one results folder's records into another (same evaluation).")
+    ap.add_argument("src", help="the folder whose records are added")
+    ap.add_argument("dst", help="the folder that receives them")
+    a = ap.parse_args()
+    try:
+        print(f"added {merge_into(a.dst, a.src)} records of {a.src} to {a.dst}")
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"python -m kvjax.evaluation.results_store: {e}")

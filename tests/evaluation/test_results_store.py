@@ -60,3 +60,34 @@ def test_folder_in_use_is_refused_and_released_on_close(tmp_path):
         ResultsStore(tmp_path, RUN, policies=POLICIES)
     first.close()
     ResultsStore(tmp_path, RUN, policies=POLICIES).close()
+
+
+def test_merge_adds_the_missing_records_once_and_refuses_another_evaluation(tmp_path):
+    from kvjax.evaluation.results_store import merge_into
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _filled(a)
+    st = ResultsStore(b, RUN, policies=POLICIES)
+    st.add([{"key": record_key(2, 0.75, p, i), "v": 10 + i} for p in ("dense", "kv") for i in range(2)]
+           + [{"key": record_key(1, 0.75, "dense", 0), "v": 99}])          # a key a already holds
+    st.close()
+    assert merge_into(a, b) == 4 and merge_into(a, b) == 0
+    merged = ResultsStore(a, RUN, policies=POLICIES)
+    assert len(merged.records) == 13 and merged.records[record_key(1, 0.75, "dense", 0)]["v"] == 0
+    assert merged.records[record_key(2, 0.75, "kv", 1)]["v"] == 11
+    merged.close()
+    other = tmp_path / "c"
+    ResultsStore(other, {**RUN, "split": "valid"}, policies=POLICIES).close()
+    with pytest.raises(ValueError, match="differ in: split"):
+        merge_into(a, other)
+    rescored = tmp_path / "d"
+    ResultsStore(rescored, RUN, policies={**POLICIES, "kv": {"scorer": ["s", "d2"]}}).close()
+    with pytest.raises(ValueError, match="kv with different files"):
+        merge_into(a, rescored)
+    with pytest.raises(FileNotFoundError, match="no fingerprint.json"):
+        merge_into(a, tmp_path / "missing")
+    held = ResultsStore(b, RUN, policies=POLICIES)
+    with pytest.raises(RuntimeError, match="in use"):
+        merge_into(a, b)
+    held.close()
+    assert len(ResultsStore(a, RUN, policies=POLICIES).records) == 13        # nothing half-written
