@@ -212,7 +212,11 @@ def cli_config(cls, prog: str, doc: str, argv=None, extra=None):
             print(f"{key:<{width}}  {default}" + (f"    # {meaning}" if meaning else ""))
         raise SystemExit(0)
     try:
-        return load_config(cls, args.config, args.set), args
+        cfg = load_config(cls, args.config, args.set)
     except (ConfigError, FileNotFoundError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from kvjax.compile_cache import enable_compile_cache
+
+    enable_compile_cache()          # a restarted long run reuses its compiled programs
+    return cfg, args
