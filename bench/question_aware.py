@@ -1,0 +1,72 @@
+"""Question-aware against question-agnostic prefill compression, problem by problem.
+
+    python bench/question_aware.py [--agnostic results/longctx/smollm2-compressed] \\
+        [--aware results/longctx/smollm2-question-aware] [--length 1024]
+
+Both folders are ``python -m kvjax.longctx`` stores in kvpress's setting: the agnostic one
+states the question after the context only, the aware one before it too (``question_aware:
+true``; the haystack is shortened by the question so the prompt keeps its length, the needles,
+depths and answers are the same). For every policy and compression both ran: the mean score
+over the problems both answered, on the tasks the dense model solves (>= 50%, question-agnostic),
+each side ± its standard error, and the paired difference (aware - agnostic) ± its SE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _read(folder: Path) -> dict:
+    path = folder / "problems.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"question_aware: {path} does not exist")
+    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def _se(x: list[float]) -> float:
+    if len(x) < 2:
+        return float("nan")
+    m = sum(x) / len(x)
+    return math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x))
+
+
+def compare(agnostic: dict, aware: dict, length: int) -> str:
+    both = [k for k in aware if k in agnostic and agnostic[k]["length"] == length]
+    dense = {}
+    for k in both:
+        if agnostic[k]["policy"] == "dense":
+            dense.setdefault(agnostic[k]["task"], []).append(agnostic[k]["score"])
+    solved = sorted(t for t, v in dense.items() if sum(v) / len(v) >= 0.5)
+    rows = [f"{length} tokens, tasks dense solves: {', '.join(solved)}", "",
+            "| policy | compression | problems | question-agnostic | question-aware | aware - agnostic (paired) |",
+            "|---|---|---|---|---|---|"]
+    cells = sorted({(agnostic[k]["policy"], agnostic[k]["compression"]) for k in both},
+                   key=lambda pc: (pc[1], pc[0] != "dense", pc[0]))
+    for policy, comp in cells:
+        keys = [k for k in both if agnostic[k]["policy"] == policy and agnostic[k]["compression"] == comp
+                and agnostic[k]["task"] in solved]
+        a = [agnostic[k]["score"] for k in keys]
+        b = [aware[k]["score"] for k in keys]
+        d = [y - x for x, y in zip(a, b)]
+        mean = lambda v: sum(v) / len(v)       # noqa: E731
+        rows.append(f"| {policy} | {comp:.0%} | {len(keys)} | {mean(a):.1%} ± {_se(a):.1%} | {mean(b):.1%} ± "
+                    f"{_se(b):.1%} | {mean(d):+.1%} ± {_se(d):.1%} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agnostic", type=Path, default=ROOT / "results/longctx/smollm2-compressed")
+    ap.add_argument("--aware", type=Path, default=ROOT / "results/longctx/smollm2-question-aware")
+    ap.add_argument("--length", type=int, default=1024)
+    args = ap.parse_args(argv)
+    print(compare(_read(args.agnostic), _read(args.aware), args.length))
+
+
+if __name__ == "__main__":
+    main()
