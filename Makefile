@@ -65,8 +65,9 @@ fidelity: traces
 retention: traces
 	$(PY) -m kvjax.evaluation.trace_retention --config configs/retention-smollm2.yaml
 
-# RULER-style long-context table of every policy (LONGCTX=configs/longctx-smollm2-quick.yaml: ~10 min)
-LONGCTX ?= configs/longctx-smollm2.yaml
+# The headline long-context table (RULER-style, every policy, kvpress's prefill-compression setting;
+# resumable, many hours on 2 cores). LONGCTX=configs/longctx-smollm2-quick.yaml: its 5-minute slice.
+LONGCTX ?= configs/longctx-smollm2-compressed.yaml
 longctx: real-model
 	$(PY) -m kvjax.longctx --config $(LONGCTX)
 
