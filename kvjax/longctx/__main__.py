@@ -4,7 +4,9 @@ Long-context quality (RULER-style tasks, in the configured compression setting) 
 model; writes ``out_dir/table.md``, ``out_dir/summary.json`` and two figures (accuracy vs
 compression per task, the needle heatmap) and prints the table.
 ``--export-problems FILE`` writes the config's problems as token ids instead (the input of
-``bench/kvpress_compare.py``) and evaluates nothing.
+``bench/kvpress_compare.py``) and evaluates nothing. ``--report`` writes the table and figures
+of what ``out_dir`` holds so far (problems with every record only) and runs nothing: it can be
+run while the evaluation adds to that folder.
 """
 
 import json
@@ -17,8 +19,11 @@ from kvjax.longctx.run import LongCtxConfig, markdown, run_longctx, to_json
 
 def main(argv=None) -> int:
     cfg, args = cli_config(LongCtxConfig, "python -m kvjax.longctx", __doc__, argv,
-                           extra=lambda ap: ap.add_argument("--export-problems", metavar="FILE",
-                                                            help="write the problems as token ids and stop"))
+                           extra=lambda ap: (ap.add_argument("--export-problems", metavar="FILE",
+                                                             help="write the problems as token ids and stop"),
+                                             ap.add_argument("--report", action="store_true",
+                                                             help="table and figures of the stored records; "
+                                                                  "runs nothing")))
     if args.export_problems:
         import transformers
 
@@ -29,7 +34,14 @@ def main(argv=None) -> int:
         print(f"wrote {export_problems(cfg, args.export_problems, tok)} problems to {args.export_problems}")
         return 0
     try:
-        tab = run_longctx(cfg)
+        if args.report:
+            from kvjax.longctx.run import report
+
+            tab = report(cfg)
+            print("complete problems per task: " + "; ".join(
+                f"{L}: " + ", ".join(f"{t} {n}" for t, n in tasks.items()) for L, tasks in tab["complete"].items()))
+        else:
+            tab = run_longctx(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"python -m kvjax.longctx: {e}", file=sys.stderr)
         return 1

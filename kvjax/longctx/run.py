@@ -256,6 +256,50 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
         store.close()
 
 
+# the run fingerprint's fields that come from the config itself (the rest: model, tokenizer, tasks)
+REPORT_FIELDS = ("prefill", "seed", "sinks", "window", "obs_window", "pool", "question_aware", "max_new")
+
+
+def report(cfg: LongCtxConfig) -> dict:
+    """:func:`table` of the records already in ``cfg.out_dir``, read without running anything
+    (and without the folder's lock, so while a run is adding to it). Only problems with every
+    record of this config (every policy at every compression) count, so each cell's N is the
+    same across policies and the comparison stays paired. Returns the table plus ``"records"``
+    and ``"complete"`` (``{length: {task: problems}}``)."""
+    import json
+
+    folder = Path(cfg.out_dir)
+    fp, path = folder / "fingerprint.json", folder / "problems.jsonl"
+    if not path.is_file() or not fp.is_file():
+        raise FileNotFoundError(f"{folder}: no stored long-context run (problems.jsonl and fingerprint.json)")
+    run = json.loads(fp.read_text()).get("run", {})
+    clash = [k for k in REPORT_FIELDS if k in run and run[k] != getattr(cfg, k)]
+    if clash:
+        raise ValueError(f"{folder} holds a run with other settings ({', '.join(f'{k}={run[k]!r}' for k in clash)}) "
+                         f"than the config ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in clash)})")
+    stored = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            break                                   # a torn last line: the run will redo it
+        stored[r["key"]] = r
+    names = list(dict.fromkeys(["dense", *cfg.policies, *cfg.learned]))
+    from kvjax.evaluation.results_store import record_key
+
+    records, complete = [], {}
+    for length in cfg.lengths:
+        for i in range(cfg.problems_at.get(length, cfg.problems)):
+            for task in cfg.tasks:
+                keys = [record_key(length, 0.0 if n == "dense" else c, n, f"{task}/{i}")
+                        for n in names for c in ([0.0] if n == "dense" else cfg.compressions)]
+                if all(k in stored for k in keys):
+                    records += [stored[k] for k in keys]
+                    complete.setdefault(length, {}).setdefault(task, 0)
+                    complete[length][task] += 1
+    return {**table(records, names, cfg), "records": records, "complete": complete}
+
+
 def export_problems(cfg: LongCtxConfig, path, tokenizer) -> int:
     """Write this config's problems, tokenized exactly as the runner feeds them, as JSONL
     ``{"id", "task", "length", "depth", "context_ids", "question_ids", "answers", "metric"}``

@@ -1,0 +1,64 @@
+"""``python -m kvjax.longctx --report``: the table of a store while its run goes on, from the
+problems that have every record only (paired N), refusing a store of other settings."""
+
+import json
+
+import pytest
+
+from kvjax.evaluation.results_store import record_key
+from kvjax.longctx.__main__ import main
+from kvjax.longctx.run import LongCtxConfig, report
+
+RUN = {"prefill": "compressed", "seed": 0, "sinks": 4, "window": 32, "obs_window": 32, "pool": 7,
+       "question_aware": False, "max_new": 32, "model": "m", "tokenizer": "t"}
+
+
+def _store(folder, problems: int, missing=(), torn=False):
+    folder.mkdir(parents=True)
+    (folder / "fingerprint.json").write_text(json.dumps({"run": RUN, "policies": {}}))
+    lines = []
+    for i in range(problems):
+        for task in ("niah_noise", "vt"):
+            for name, comp in (("dense", 0.0), ("knorm", 0.75), ("knorm", 0.88)):
+                key = record_key(1024, comp, name, f"{task}/{i}")
+                if key in missing:
+                    continue
+                score = 1.0 if name == "dense" or (task == "niah_noise" and i % 2) else 0.0
+                lines.append(json.dumps({"key": key, "task": task, "index": i, "length": 1024, "compression": comp,
+                                         "policy": name, "score": score, "depth": 0.5}))
+    (folder / "problems.jsonl").write_text("\n".join(lines) + "\n" + ('{"key": "10' if torn else ""))
+
+
+def _cfg(folder, **kw):
+    return LongCtxConfig(tasks=["niah_noise", "vt"], lengths=[1024], problems=6, compressions=[0.75, 0.88],
+                         policies=["dense", "knorm"], prefill="compressed", obs_window=32, out_dir=str(folder), **kw)
+
+
+def test_only_problems_with_every_record_count(tmp_path):
+    _store(tmp_path / "s", 4, missing={record_key(1024, 0.88, "knorm", "vt/3")}, torn=True)
+    tab = report(_cfg(tmp_path / "s"))
+    assert tab["complete"] == {1024: {"niah_noise": 4, "vt": 3}}
+    assert tab["cells"][(1024, 0.75, "knorm", "niah_noise")][:1] == (0.5,)
+    assert tab["cells"][(1024, 0.75, "knorm", "vt")][2] == 3 == tab["cells"][(1024, 0.0, "dense", "vt")][2]
+    assert tab["average"][(1024, 0.75, "knorm")][0] == pytest.approx(0.25)
+
+
+def test_other_settings_and_a_missing_store_are_refused(tmp_path):
+    _store(tmp_path / "s", 2)
+    with pytest.raises(ValueError, match=r"other settings \(sinks=4\) than the config \(sinks=0\)"):
+        report(_cfg(tmp_path / "s", sinks=0))
+    with pytest.raises(FileNotFoundError, match="no stored long-context run"):
+        report(_cfg(tmp_path / "none"))
+
+
+def test_cli_writes_the_table_and_figures_without_running(tmp_path, capsys):
+    _store(tmp_path / "s", 3)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"tasks: [niah_noise, vt]\nlengths: [1024]\nproblems: 6\ncompressions: [0.75, 0.88]\n"
+                   f"policies: [dense, knorm]\nprefill: compressed\nobs_window: 32\nout_dir: {tmp_path / 's'}\n")
+    assert main(["--config", str(cfg), "--report"]) == 0
+    out = capsys.readouterr().out
+    assert "complete problems per task: 1024: niah_noise 3, vt 3" in out
+    assert "| knorm [3] |" in out
+    assert {p.name for p in (tmp_path / "s").iterdir()} >= {"table.md", "summary.json", "accuracy_vs_compression.png",
+                                                            "needle_heatmap.png"}
