@@ -21,10 +21,12 @@ def _plt():
     return plt
 
 
-def accuracy_vs_compression(records: list[dict], path, title: str = "") -> Path:
-    """One panel per (task, length): mean score ± SE against compression, a line per policy;
-    dense is the dashed line at its own score."""
+def accuracy_vs_compression(records: list[dict], path, title: str = "", learned=()) -> Path:
+    """One panel per (task, length): mean score ± SE against compression, a line per policy
+    (``learned`` policies solid, heuristics dashed, oracles dotted; 20 distinct colours);
+    dense is the black dashed line at its own score."""
     plt = _plt()
+    colours = plt.get_cmap("tab20").colors
     panels = sorted({(r["task"], r["length"]) for r in records}, key=lambda x: (x[1], list(TASKS).index(x[0])))
     policies = list(dict.fromkeys(r["policy"] for r in records if r["policy"] != "dense"))
     cols = min(len(panels), 3)
@@ -35,11 +37,12 @@ def accuracy_vs_compression(records: list[dict], path, title: str = "") -> Path:
         dense = [r["score"] for r in mine if r["policy"] == "dense"]
         if dense:
             ax.axhline(np.mean(dense), color="k", ls="--", lw=1, label=f"dense (N={len(dense)})")
-        for p in policies:
+        for j, p in enumerate(policies):
             comps = sorted({r["compression"] for r in mine if r["policy"] == p})
             ms = [_mean_se([r["score"] for r in mine if r["policy"] == p and r["compression"] == c]) for c in comps]
-            ax.errorbar([c * 100 for c in comps], [m for m, _ in ms], yerr=[s for _, s in ms], marker="o",
-                        capsize=2, label=p)
+            style = "-" if p in learned else ":" if p.startswith("oracle") else "--"
+            ax.errorbar([c * 100 for c in comps], [m for m, _ in ms], yerr=[s for _, s in ms], marker="o", ms=3,
+                        capsize=2, label=p, color=colours[j % len(colours)], ls=style, lw=1.6 if p in learned else 1)
         ax.set_title(f"{task}, {length} tokens", fontsize=9)
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("compression (%)", fontsize=8)
@@ -107,7 +110,8 @@ def write_figures(records: list[dict], average: dict, learned: list[str], compre
                   setting: str) -> list[Path]:
     """Both figures into ``out_dir`` (the heatmap at 75% if run, else the first compression)."""
     out = Path(out_dir)
-    paths = [accuracy_vs_compression(records, out / "accuracy_vs_compression.png", f"SmolLM2, {setting}")]
+    paths = [accuracy_vs_compression(records, out / "accuracy_vs_compression.png", f"SmolLM2, {setting}",
+                                     learned=learned)]
     c = 0.75 if 0.75 in compressions else compressions[0]
     if any(r["task"].startswith("niah") for r in records):
         paths.append(needle_heatmap(records, best_policies(average, learned, c), c, out / "needle_heatmap.png",
