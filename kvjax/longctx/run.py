@@ -357,9 +357,31 @@ def table(records: list[dict], names, cfg: LongCtxConfig, solvable: float = 0.5)
     return {"cells": cells, "average": avg, "solvable": solv}
 
 
+def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
+    """One table of every length: rows = policies, columns = (length, compression) task averages
+    ± SE; a length's column stays empty until its every solvable task has records."""
+    cols = [(L, c) for L in cfg.lengths for c in cfg.compressions]
+    out = ["| policy | " + " | ".join(f"{L // 1024}k, {c:.0%}" for L, c in cols) + " |",
+           "|---|" + "---|" * len(cols)]
+    for p in names:
+        cells = []
+        for L, c in cols:
+            a = tab["average"].get((L, 0.0 if p == "dense" else c, p))
+            cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+        out.append(f"| {p} | " + " | ".join(cells) + " |")
+    per_task = {L: sorted({v[2] for (LL, _c, _p, t), v in tab["cells"].items() if LL == L and t in tab["solvable"][L]})
+                for L in cfg.lengths}
+    out.append("\nproblems per task: " + "; ".join(f"{L}: {'/'.join(map(str, n)) or 'none yet'}"
+                                                  for L, n in per_task.items())
+               + "; averaged over the tasks dense solves: " + "; ".join(
+                   f"{L}: {', '.join(tab['solvable'][L]) or 'none yet'}" for L in cfg.lengths))
+    return "\n".join(out)
+
+
 def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
-    """Per length: rows = policies, columns = the task average at each compression (and per task at 75%/88%)."""
-    out = []
+    """The :func:`overview`, then per length: rows = policies, columns = the task average at
+    each compression (and per task at 75%/88%)."""
+    out = [overview(tab, cfg, names)]
     for L in cfg.lengths:
         solv = tab["solvable"][L]
         out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "

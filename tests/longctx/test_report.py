@@ -60,5 +60,7 @@ def test_cli_writes_the_table_and_figures_without_running(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "complete problems per task: 1024: niah_noise 3, vt 3" in out
     assert "| knorm [3] |" in out
+    assert "| policy | 1k, 75% | 1k, 88% |\n" in out and "| knorm | 16.7% ± 16.7% | 16.7% ± 16.7% |" in out
+    assert "problems per task: 1024: 3; averaged over the tasks dense solves: 1024: niah_noise, vt" in out
     assert {p.name for p in (tmp_path / "s").iterdir()} >= {"table.md", "summary.json", "accuracy_vs_compression.png",
                                                             "needle_heatmap.png"}
