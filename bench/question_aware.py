@@ -3,12 +3,12 @@
     python bench/question_aware.py [--agnostic results/longctx/smollm2-compressed] \\
         [--aware results/longctx/smollm2-question-aware] [--length 1024]
 
-Both folders are ``python -m kvjax.longctx`` stores in kvpress's setting: the agnostic one
-states the question after the context only, the aware one before it too (``question_aware:
-true``; the haystack is shortened by the question so the prompt keeps its length, the needles,
-depths and answers are the same). For every policy and compression both ran: the mean score
-over the problems both answered, on the tasks the dense model solves (>= 50%, question-agnostic),
-each side ± its standard error, and the paired difference (aware - agnostic) ± its SE.
+Both folders are ``python -m kvjax.longctx`` stores in kvpress's setting over the same token
+ids: the agnostic one compresses the context and feeds the question after it, the aware one
+(``question_aware: true``) compresses the context and the question together. Only problems
+with every record in both folders count (so N is paired); for every policy and compression:
+the mean score on the tasks the dense model solves (>= 50%), each side ± its standard error,
+and the paired difference (aware - agnostic) ± its SE.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ def _se(x: list[float]) -> float:
 
 def compare(agnostic: dict, aware: dict, length: int) -> str:
     both = [k for k in aware if k in agnostic and agnostic[k]["length"] == length]
+    cells = {(agnostic[k]["policy"], agnostic[k]["compression"]) for k in both}
+    per_problem: dict = {}
+    for k in both:
+        per_problem.setdefault((agnostic[k]["task"], agnostic[k]["index"]), []).append(k)
+    both = [k for keys in per_problem.values() if len(keys) == len(cells) for k in keys]    # complete problems
     dense = {}
     for k in both:
         if agnostic[k]["policy"] == "dense":

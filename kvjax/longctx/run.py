@@ -66,7 +66,7 @@ class LongCtxConfig:
     window: int = 32
     obs_window: int = 16                    # SnapKV's observation window (kvpress's window_size: = window)
     pool: int = 7                           # SnapKV's pooling kernel
-    question_aware: bool = False            # also state the question before the context
+    question_aware: bool = False            # compress the question with the context (kvpress's question-aware)
     prefill: Literal["bounded", "auto", "compressed"] = "bounded"   # auto: SnapKV/H2O/TOVA prefill densely;
     #                                                 compressed: kvpress's setting (dense prefill, context compressed once)
     max_new: int = 32
@@ -96,6 +96,9 @@ class LongCtxConfig:
                 raise ValueError(f"learned_budgets: {label}: rule must be 'uniform', 'pyramid' or 'adakv', got {rule!r}")
         if self.prefill not in ("bounded", "auto", "compressed"):
             raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
+        if self.question_aware and self.prefill != "compressed":
+            raise ValueError("question_aware moves the question into the compressed context: it needs "
+                             f"prefill: compressed (with prefill: {self.prefill} the whole prompt is under the budget)")
         if min(self.problems, self.batch_size, self.max_new, *self.batch_at.values(), *self.problems_at.values()) < 1:
             raise ValueError("problems, batch_size, max_new and every problems_at / batch_at value must be >= 1")
 
@@ -145,7 +148,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     stops = np.asarray(stop_token_ids(model, tok), np.int32)
     learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
     names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
-    gen = Generator(tok, question_aware=cfg.question_aware)
+    gen = Generator(tok)
     run = {"model": config_hash(model.config), "metric": "longctx-v1", "prefill": cfg.prefill,
            "problems": gen.fingerprint(),
            "seed": cfg.seed, "sinks": cfg.sinks, "window": cfg.window, "obs_window": cfg.obs_window,
@@ -309,7 +312,7 @@ def export_problems(cfg: LongCtxConfig, path, tokenizer) -> int:
 
     from kvjax.longctx.tasks import Generator, prompt_ids
 
-    gen = Generator(tokenizer, question_aware=cfg.question_aware)
+    gen = Generator(tokenizer)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -385,7 +388,9 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
     for L in cfg.lengths:
         solv = tab["solvable"][L]
         out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "
-                   "mean ± SE, N problems per task in brackets; " + SETTING[cfg.prefill] + "\n")
+                   "mean ± SE, N problems per task in brackets; " + SETTING[cfg.prefill]
+                   + ("; question-aware: the question compressed with the context" if cfg.question_aware else "")
+                   + "\n")
         comps = list(cfg.compressions)
         out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
         out.append("|---|" + "---|" * len(comps))

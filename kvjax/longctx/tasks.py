@@ -149,18 +149,16 @@ class Generator:
     """``Generator(tokenizer).problem(task, length, index, seed)`` builds one :class:`Problem`;
     the same arguments give the same problem."""
 
-    def __init__(self, tokenizer, *, digits: int = 6, chat_overhead: int = 40, question_aware: bool = False):
-        """``question_aware``: prompts will state the question before the context too
-        (:func:`prompt_ids`), so the context leaves room for it."""
+    def __init__(self, tokenizer, *, digits: int = 6, chat_overhead: int = 40):
         self.count = _Counter(tokenizer)
-        self.digits, self.overhead, self.question_aware = digits, chat_overhead, question_aware
+        self.digits, self.overhead = digits, chat_overhead
 
     def fingerprint(self) -> dict:
         """What the problems depend on besides (task, length, index, seed)."""
         import hashlib
 
         return {"version": GENERATOR_VERSION, "digits": self.digits, "overhead": self.overhead,
-                "question_aware": self.question_aware,
+                "question_aware": False,    # no problem restates its question (keeps stored fingerprints)
                 "docs": hashlib.sha256("\n".join(_doc_text()).encode()).hexdigest()[:16]}
 
     def problem(self, task: str, length: int, index: int, seed: int = 0) -> Problem:
@@ -177,8 +175,7 @@ class Generator:
 
     # -- the context budget: target minus instructions, question and chat template --------
     def _room(self, length: int, *texts: str, question: str = "") -> int:
-        twice = self.count.n(question) + 2 if self.question_aware else 0
-        return length - self.overhead - twice - sum(self.count.n(t) for t in (*texts, question))
+        return length - self.overhead - sum(self.count.n(t) for t in (*texts, question))
 
     def _niah(self, rs, task, length, index, depth, *, haystack, n_keys, n_values, n_asked):
         words = _words()
@@ -354,14 +351,19 @@ class Generator:
 def prompt_ids(tokenizer, problem: Problem, *, question_aware: bool = False) -> tuple[list[int], list[int]]:
     """``(context ids, question ids)`` of the chat prompt (system/user/assistant template, the
     answer prefix after the assistant header). Their concatenation is the whole prompt's
-    tokenization;
-    ``question_aware`` also states the question before the context (RULER's query-aware form)."""
-    context = (f"{problem.question}\n\n" if question_aware else "") + problem.context
+    tokenization, and the same for both splits; a prefill-compressing policy compresses the first part.
+
+    question-agnostic (default): the first part ends with the context; the question comes after
+    what is compressed. ``question_aware`` (kvpress's question-aware setting): the first part
+    ends with the question, so the question is compressed with the context and an observation
+    window (SnapKV's) reads it; the second part is the chat template's end and the answer prefix."""
     marker = "\u2063QUESTION\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{context}{marker}"}], tokenize=False,
+    text = tokenizer.apply_chat_template([{"role": "user", "content": f"{problem.context}{marker}"}], tokenize=False,
                                          add_generation_prompt=True)
     head, tail = text.split(marker)
-    # the split sits before the blank line, so both halves tokenize as the whole text does
-    tail = f"\n\n{problem.question}{tail}{problem.answer_prefix}"
+    # the split sits before the blank line, or before the template's special end token, so both
+    # halves tokenize as the whole text does
+    question = f"\n\n{problem.question}"
+    head, tail = (head + question, tail) if question_aware else (head, question + tail)
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]   # noqa: E731
-    return enc(head), enc(tail)
+    return enc(head), enc(tail + problem.answer_prefix)

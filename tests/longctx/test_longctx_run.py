@@ -136,16 +136,18 @@ def test_bad_configs_are_named():
         LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"kvpop": "adakv"})
     with pytest.raises(ValueError, match="rule must be 'uniform', 'pyramid' or 'adakv', got 'duo'"):
         LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"lkv": "duo"})
+    with pytest.raises(ValueError, match="question_aware .* needs prefill: compressed"):
+        LongCtxConfig(question_aware=True)
 
 
 def test_exported_problems_are_the_runners_token_ids(tok, tmp_path):
     from kvjax.longctx.run import export_problems
 
     cfg = LongCtxConfig(tasks=["niah_multikey", "vt"], lengths=[512], problems=2, problems_at={512: 3}, compressions=[0.5],
-                        question_aware=True)
+                        prefill="compressed", question_aware=True)
     assert export_problems(cfg, tmp_path / "p.jsonl", tok) == 6
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
-    p = Generator(tok, question_aware=True).problem("vt", 512, 2)
+    p = Generator(tok).problem("vt", 512, 2)
     ctx, q = prompt_ids(tok, p, question_aware=True)
     r = rows[-1]
     assert (r["id"], r["context_ids"], r["question_ids"], r["answers"]) == ("512/vt/2", ctx, q, list(p.answers))
