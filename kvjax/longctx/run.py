@@ -362,8 +362,9 @@ def table(records: list[dict], names, cfg: LongCtxConfig, solvable: float = 0.5)
 
 def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
     """One table of every length: rows = policies, columns = (length, compression) task averages
-    ± SE; a length's column stays empty until its every solvable task has records."""
-    cols = [(L, c) for L in cfg.lengths for c in cfg.compressions]
+    ± SE; a length appears once its every solvable task has records."""
+    cols = [(L, c) for L in cfg.lengths for c in cfg.compressions
+            if any(k[0] == L and k[1] == c for k in tab["average"])]
     out = ["| policy | " + " | ".join(f"{L // 1024}k, {c:.0%}" for L, c in cols) + " |",
            "|---|" + "---|" * len(cols)]
     for p in names:
