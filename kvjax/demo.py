@@ -40,7 +40,7 @@ def _real_model(args) -> int:
     from kvjax.evaluation.trace_fidelity import FidelityConfig, run_fidelity
     from kvjax.evaluation.trace_fidelity import markdown as fidelity_markdown
     from kvjax.longctx.run import LongCtxConfig, run_longctx
-    from kvjax.longctx.run import markdown as longctx_markdown
+    from kvjax.longctx.report import markdown as longctx_markdown
     from kvjax.real_model import ensure_model
 
     out = Path(args.out)

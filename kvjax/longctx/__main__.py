@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from kvjax.configio import cli_config
-from kvjax.longctx.run import LongCtxConfig, markdown, run_longctx, to_json
+from kvjax.longctx.report import markdown
+from kvjax.longctx.run import LongCtxConfig, run_longctx, to_json
 
 
 def main(argv=None) -> int:
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
         return 0
     try:
         if args.report:
-            from kvjax.longctx.run import report
+            from kvjax.longctx.report import report
 
             tab = report(cfg)
             print("complete problems per task: " + "; ".join(

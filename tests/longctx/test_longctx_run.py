@@ -11,7 +11,8 @@ from flax import nnx
 
 import kvjax
 from kvjax.evaluation.oracle import oracle_priorities
-from kvjax.longctx.run import LongCtxConfig, budget, markdown, run_longctx, table, to_json
+from kvjax.longctx.report import markdown
+from kvjax.longctx.run import LongCtxConfig, budget, run_longctx, table, to_json
 from kvjax.longctx.tasks import Generator, prompt_ids, score
 from kvjax.real_model import ensure_model
 from kvjax.text import stop_token_ids

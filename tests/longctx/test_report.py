@@ -7,7 +7,8 @@ import pytest
 
 from kvjax.evaluation.results_store import record_key
 from kvjax.longctx.__main__ import main
-from kvjax.longctx.run import LongCtxConfig, report
+from kvjax.longctx.report import report
+from kvjax.longctx.run import LongCtxConfig
 
 RUN = {"prefill": "compressed", "seed": 0, "sinks": 4, "window": 32, "obs_window": 32, "pool": 7,
        "question_aware": False, "max_new": 32, "model": "m", "tokenizer": "t"}

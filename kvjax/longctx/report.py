@@ -1,0 +1,109 @@
+"""Reading a long-context store: :func:`report` (the table of what a folder holds, while its run
+goes on), :func:`overview` and :func:`markdown` (the tables printed and written by
+``python -m kvjax.longctx``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvjax.longctx.run import SETTING, LongCtxConfig, dense_prefill, table
+from kvjax.longctx.tasks import TASKS
+
+
+# the run fingerprint's fields that come from the config itself (the rest: model, tokenizer, tasks)
+REPORT_FIELDS = ("prefill", "seed", "sinks", "window", "obs_window", "pool", "question_aware", "max_new")
+
+
+def report(cfg: LongCtxConfig) -> dict:
+    """:func:`table` of the records already in ``cfg.out_dir``, read without running anything
+    (and without the folder's lock, so while a run is adding to it). Only problems with every
+    record of this config (every policy at every compression) count, so each cell's N is the
+    same across policies and the comparison stays paired. Returns the table plus ``"records"``
+    and ``"complete"`` (``{length: {task: problems}}``)."""
+    import json
+
+    folder = Path(cfg.out_dir)
+    fp, path = folder / "fingerprint.json", folder / "problems.jsonl"
+    if not path.is_file() or not fp.is_file():
+        raise FileNotFoundError(f"{folder}: no stored long-context run (problems.jsonl and fingerprint.json)")
+    run = json.loads(fp.read_text()).get("run", {})
+    clash = [k for k in REPORT_FIELDS if k in run and run[k] != getattr(cfg, k)]
+    if clash:
+        raise ValueError(f"{folder} holds a run with other settings ({', '.join(f'{k}={run[k]!r}' for k in clash)}) "
+                         f"than the config ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in clash)})")
+    stored = {}
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            break                                   # a torn last line: the run will redo it
+        stored[r["key"]] = r
+    names = list(dict.fromkeys(["dense", *cfg.policies, *cfg.learned]))
+    from kvjax.evaluation.results_store import record_key
+
+    records, complete = [], {}
+    for length in cfg.lengths:
+        for i in range(cfg.problems_at.get(length, cfg.problems)):
+            for task in cfg.tasks:
+                keys = [record_key(length, 0.0 if n == "dense" else c, n, f"{task}/{i}")
+                        for n in names for c in ([0.0] if n == "dense" else cfg.compressions)]
+                if all(k in stored for k in keys):
+                    records += [stored[k] for k in keys]
+                    complete.setdefault(length, {}).setdefault(task, 0)
+                    complete[length][task] += 1
+    return {**table(records, names, cfg), "records": records, "complete": complete}
+
+
+def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
+    """One table of every length: rows = policies, columns = (length, compression) task averages
+    ± SE; a length appears once its every solvable task has records."""
+    cols = [(L, c) for L in cfg.lengths for c in cfg.compressions
+            if any(k[0] == L and k[1] == c for k in tab["average"])]
+    out = ["| policy | " + " | ".join(f"{L // 1024}k, {c:.0%}" for L, c in cols) + " |",
+           "|---|" + "---|" * len(cols)]
+    for p in names:
+        cells = []
+        for L, c in cols:
+            a = tab["average"].get((L, 0.0 if p == "dense" else c, p))
+            cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+        out.append(f"| {p} | " + " | ".join(cells) + " |")
+    per_task = {L: sorted({v[2] for (LL, _c, _p, t), v in tab["cells"].items() if LL == L and t in tab["solvable"][L]})
+                for L in cfg.lengths}
+    out.append("\nproblems per task: " + "; ".join(f"{L}: {'/'.join(map(str, n)) or 'none yet'}"
+                                                  for L, n in per_task.items())
+               + "; averaged over the tasks dense solves: " + "; ".join(
+                   f"{L}: {', '.join(tab['solvable'][L]) or 'none yet'}" for L in cfg.lengths))
+    return "\n".join(out)
+
+
+def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
+    """The :func:`overview`, then per length: rows = policies, columns = the task average at
+    each compression (and per task at 75%/88%)."""
+    out = [overview(tab, cfg, names)]
+    for L in cfg.lengths:
+        solv = tab["solvable"][L]
+        out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "
+                   "mean ± SE, N problems per task in brackets; " + SETTING[cfg.prefill]
+                   + ("; question-aware: the question compressed with the context" if cfg.question_aware else "")
+                   + "\n")
+        comps = list(cfg.compressions)
+        out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
+        out.append("|---|" + "---|" * len(comps))
+        for p in names:
+            cells = []
+            for c in ([0.0] * len(comps) if p == "dense" else comps):
+                a = tab["average"].get((L, c, p))
+                cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+            n = max((v[2] for (LL, _c, pp, _t), v in tab["cells"].items() if LL == L and pp == p), default=0)
+            mark = " †" if cfg.prefill == "auto" and dense_prefill(p) else ""
+            out.append(f"| {p}{mark} [{n}] | " + " | ".join(cells) + " |")
+        tasks = sorted({t for (LL, _c, _p, t) in tab["cells"] if LL == L}, key=list(TASKS).index)
+        for c in [c for c in comps if c in (0.75, 0.88)] or comps[:1]:
+            out.append(f"\nper task at {c:.0%} ({L} tokens; dense in the first row)\n")
+            out.append("| policy | " + " | ".join(tasks) + " |")
+            out.append("|---|" + "---|" * len(tasks))
+            for p in names:
+                cc = 0.0 if p == "dense" else c
+                row = [tab["cells"].get((L, cc, p, t)) for t in tasks]
+                out.append(f"| {p} | " + " | ".join(f"{v[0]:.0%}" if v else "" for v in row) + " |")
+    return "\n".join(out)
