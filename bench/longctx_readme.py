@@ -31,18 +31,18 @@ def replace_between(path: Path, name: str, body: str) -> None:
 def main(argv=None) -> None:
     from kvjax.configio import load_config
     from kvjax.longctx.__main__ import main as longctx
+    from kvjax.longctx.run import LongCtxConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(ROOT / "configs/longctx-smollm2-compressed.yaml"))
     args = ap.parse_args(argv)
-    from kvjax.longctx.run import LongCtxConfig
 
     cfg = load_config(LongCtxConfig, args.config, [])
     if longctx(["--config", args.config, "--report"]) != 0:
         raise SystemExit("longctx_readme: the report failed")
     out = ROOT / cfg.out_dir
     table = (out / "table.md").read_text()
-    overview, _, per_length = table.partition("\n\n**")
+    overview = table.partition("\n\n**")[0]
     replace_between(ROOT / "README.md", "longctx overview", overview)
     replace_between(ROOT / "docs/real-model.md", "longctx tables", table)
     for src, dst in (("accuracy_vs_compression.png", "accuracy"), ("needle_heatmap.png", "needles")):

@@ -50,9 +50,7 @@ def compare(agnostic: dict, aware: dict, length: int) -> str:
     rows = [f"{length} tokens, tasks dense solves: {', '.join(solved)}", "",
             "| policy | compression | problems | question-agnostic | question-aware | aware - agnostic (paired) |",
             "|---|---|---|---|---|---|"]
-    cells = sorted({(agnostic[k]["policy"], agnostic[k]["compression"]) for k in both},
-                   key=lambda pc: (pc[1], pc[0] != "dense", pc[0]))
-    for policy, comp in cells:
+    for policy, comp in sorted(cells, key=lambda pc: (pc[1], pc[0] != "dense", pc[0])):
         keys = [k for k in both if agnostic[k]["policy"] == policy and agnostic[k]["compression"] == comp
                 and agnostic[k]["task"] in solved]
         a = [agnostic[k]["score"] for k in keys]

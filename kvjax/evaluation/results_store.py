@@ -126,7 +126,8 @@ class ResultsStore:
             self.records[rec["key"]] = rec
 
 
-def _fingerprint(folder: Path) -> dict:
+def read_fingerprint(folder) -> dict:
+    """``{"run", "policies"}`` of a results folder (legacy fingerprints split)."""
     path = Path(folder) / "fingerprint.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no fingerprint.json (not a results folder)")
@@ -138,7 +139,7 @@ def merge_into(dst, src) -> int:
     work (e.g. one length each, in two processes) end in one folder. Refused unless both
     folders hold the same evaluation (``run``) and every policy both hold has the same
     fingerprint; both folders are locked meanwhile. Returns the number of records added."""
-    fd, fs = _fingerprint(dst), _fingerprint(src)
+    fd, fs = read_fingerprint(dst), read_fingerprint(src)
     if fd["run"] != fs["run"]:
         diff = sorted(k for k in set(fd["run"]) | set(fs["run"]) if fd["run"].get(k) != fs["run"].get(k))
         raise ValueError(f"{src} and {dst} hold different evaluations (differ in: {', '.join(diff)})")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from kvjax.configio import cli_config
-from kvjax.longctx.report import markdown
+from kvjax.longctx.report import markdown, report
 from kvjax.longctx.run import LongCtxConfig, run_longctx, to_json
 
 
@@ -36,8 +36,6 @@ def main(argv=None) -> int:
         return 0
     try:
         if args.report:
-            from kvjax.longctx.report import report
-
             tab = report(cfg)
             print("complete problems per task: " + "; ".join(
                 f"{L}: " + ", ".join(f"{t} {n}" for t, n in tasks.items()) for L, tasks in tab["complete"].items()))

@@ -22,11 +22,13 @@ def report(cfg: LongCtxConfig) -> dict:
     and ``"complete"`` (``{length: {task: problems}}``)."""
     import json
 
+    from kvjax.evaluation.results_store import read_fingerprint, record_key
+
     folder = Path(cfg.out_dir)
-    fp, path = folder / "fingerprint.json", folder / "problems.jsonl"
-    if not path.is_file() or not fp.is_file():
+    path = folder / "problems.jsonl"
+    if not path.is_file() or not (folder / "fingerprint.json").is_file():
         raise FileNotFoundError(f"{folder}: no stored long-context run (problems.jsonl and fingerprint.json)")
-    run = json.loads(fp.read_text()).get("run", {})
+    run = read_fingerprint(folder)["run"]
     clash = [k for k in REPORT_FIELDS if k in run and run[k] != getattr(cfg, k)]
     if clash:
         raise ValueError(f"{folder} holds a run with other settings ({', '.join(f'{k}={run[k]!r}' for k in clash)}) "
@@ -39,8 +41,6 @@ def report(cfg: LongCtxConfig) -> dict:
             break                                   # a torn last line: the run will redo it
         stored[r["key"]] = r
     names = list(dict.fromkeys(["dense", *cfg.policies, *cfg.learned]))
-    from kvjax.evaluation.results_store import record_key
-
     records, complete = [], {}
     for length in cfg.lengths:
         for i in range(cfg.problems_at.get(length, cfg.problems)):
