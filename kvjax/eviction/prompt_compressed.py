@@ -133,6 +133,17 @@ class PromptCompressed:
         probs, qpos = statistic_probs(q_BSHD, k_BSKD, params["context"], r.score_rows)
         return r.prefill_scores(probs, params["context"], qpos)
 
+    @property
+    def statistic_key(self) -> tuple | None:
+        """What an attention-statistic ranker's :meth:`priority` depends on besides the batch
+        (its statistic, query rows, window and pooling; not its budget): policies with equal
+        keys rank a batch identically (SnapKV, PyramidKV and Ada-KV at any ratio share one).
+        ``None`` for static rankers (scorers, K-norm, oracles: their priorities are their own)."""
+        r = self.ranker
+        if r.static:
+            return None
+        return (type(r).prefill_scores, r.score_rows, r.config.obs_window, r.config.pool)
+
     def keep_from_priority(self, params, prio_BKS, budgets_BK, T: int) -> jax.Array:
         """``bool [B, K, T]``: the visible slots after the compression: the kept context and every
         slot past it."""

@@ -79,8 +79,17 @@ def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_
     return ContextPrefill(dense, queries, jnp.asarray(n))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _statistic_priorities(policy: PromptCompressed, params, pre: ContextPrefill) -> jax.Array:
+    """``float32 [L, B, K, S]``: an attention-statistic ranker's priorities, one layer at a time
+    (one ``S x S`` attention at a time)."""
+    S = pre.queries.shape[2]
+    k_LBSKD = jnp.stack([jnp.swapaxes(k[:, :, :S], 1, 2) for k in pre.dense.k])
+    return jax.lax.map(lambda x: policy.priority(params, 0, x[0], x[1], None, None, None), (pre.queries, k_LBSKD))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill) -> CompressedCache:
+def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill, prio_LBKS) -> CompressedCache:
     B, K, T, _ = pre.dense.k[0].shape
     cache = policy.init(params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
     if policy.ranker.static:        # priorities from keys and values, each layer's scorer its own
@@ -88,26 +97,32 @@ def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill) -> Com
         keeps = tuple(policy.layer_keep(params, layer, None, jnp.swapaxes(pre.dense.k[layer], 1, 2),
                                         jnp.swapaxes(pre.dense.v[layer], 1, 2), positions, cache)
                       for layer in range(cfg.num_layers))
-    else:                           # attention statistics: one layer at a time (one S x S at a time)
-        S = pre.queries.shape[2]
-        k_LBSKD = jnp.stack([jnp.swapaxes(k[:, :, :S], 1, 2) for k in pre.dense.k])
-
-        def one(x):
-            q, k, budgets = x
-            return policy.keep_from_priority(params, policy.priority(params, 0, q, k, None, None, None), budgets, T)
-
-        keeps = tuple(jax.lax.map(one, (pre.queries, k_LBSKD, cache.budgets)))
+    else:                           # attention statistics: the priorities given, kept per layer
+        keeps = tuple(jax.lax.map(lambda x: policy.keep_from_priority(params, x[0], x[1], T),
+                                  (prio_LBKS, cache.budgets)))
     return cache.replace(dense=pre.dense, keep=keeps)
 
 
-def compress(policy: PromptCompressed, model, pre: ContextPrefill) -> CompressedCache:
+def compress(policy: PromptCompressed, model, pre: ContextPrefill, memo: dict | None = None) -> CompressedCache:
     """``policy``'s compressed cache from the shared prefill (its context lengths must be
-    ``pre.context``)."""
+    ``pre.context``). ``memo``: a dict kept for this prefill only; attention-statistic
+    priorities are computed once per :attr:`PromptCompressed.statistic_key` and reused (H2O's
+    ``S x S`` statistic once for every ratio; SnapKV's for PyramidKV and Ada-KV too)."""
     if not np.array_equal(np.asarray(policy.params["context"]), np.asarray(pre.context)):
         raise ValueError("compress: the policy was built for other context lengths than the prefill's")
-    if not policy.ranker.static and pre.queries is None:
-        raise ValueError(f"compress: {policy.ranker.name!r} ranks by attention; prefill_context(keep_queries=True)")
-    return _compress(policy, policy.params, model.config, pre)
+    prio = None
+    if not policy.ranker.static:
+        if pre.queries is None:
+            raise ValueError(f"compress: {policy.ranker.name!r} ranks by attention; "
+                             "prefill_context(keep_queries=True)")
+        key = policy.statistic_key
+        if memo is not None and key in memo:
+            prio = memo[key]
+        else:
+            prio = _statistic_priorities(policy, policy.params, pre)
+            if memo is not None:
+                memo[key] = prio
+    return _compress(policy, policy.params, model.config, pre, prio)
 
 
 def uncompressed(pre: ContextPrefill) -> CompressedCache:

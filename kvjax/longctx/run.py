@@ -191,7 +191,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                         shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
                                                         cache_len=bucket(S) + bucket(cfg.max_new),
                                                         keep_queries=any(map(dense_prefill, names)))
-                    cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"])
+                    cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"],
+                                                                                     memo=shared.setdefault("prio", {}))
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
                                          eos_ids=stops.tolist(), pad_id=int(stops[0]))
                 return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,

@@ -181,3 +181,33 @@ def test_compact_drops_the_evicted_entries_in_position_order(mqa):
         compact(full, n, extra=8, slots=M - 1)
     with pytest.raises(ValueError, match="slots past the context"):
         answer(model, compact(full, n, extra=8), [[5, 6], [7]], n, 32, eos_ids=[])
+
+
+def test_an_attention_statistic_is_computed_once_per_prefill_and_keeps_the_same_sets(mqa):
+    """``compress(memo=...)``: SnapKV, PyramidKV and Ada-KV at two ratios share one statistic,
+    H2O and TOVA one each; every kept set equals the one computed afresh, and another
+    observation window is another statistic."""
+    import dataclasses
+
+    from kvjax.eviction.shared_prefill import compress, prefill_context
+
+    model, _ = mqa
+    rs = np.random.RandomState(5)
+    ctx = [rs.randint(3, 97, n).tolist() for n in (48, 33)]
+    n = [len(c) for c in ctx]
+    pre = prefill_context(model, ctx, cache_len=64, keep_queries=True)
+    ev = kvjax.EvictionConfig(2, 4, 8, obs_window=6)
+    memo: dict = {}
+    for name in ("snapkv", "pyramidkv", "adakv", "h2o", "tova"):
+        for ratio in (0.5, 0.75):
+            pol = prompt_compressed(kvjax.make_policy(name, ev), ratio, n)
+            fresh, shared = compress(pol, model, pre), compress(pol, model, pre, memo=memo)
+            for layer, (a, b) in enumerate(zip(fresh.keep, shared.keep)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name} {ratio} layer {layer}")
+    assert len(memo) == 3
+    other = prompt_compressed(kvjax.make_policy("snapkv", dataclasses.replace(ev, obs_window=3)), 0.5, n)
+    compress(other, model, pre, memo=memo)
+    assert len(memo) == 4
+    knorm = prompt_compressed(kvjax.make_policy("knorm", ev), 0.5, n)
+    compress(knorm, model, pre, memo=memo)
+    assert len(memo) == 4                       # static rankers are not memoised
