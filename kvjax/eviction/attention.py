@@ -5,13 +5,15 @@
 - ``masked_attention``: causal softmax attention restricted to a per-KV-head mask,
   returning the output and the per-query log-sum-exp (training and prefill path).
 - ``statistic_probs``: the prefill's attention probabilities an attention statistic reads
-  (all query rows, or only each row's last few).
+  (all query rows, or only each row's last few); ``statistic_scores`` reduces them to the
+  statistic, reading all rows a block at a time.
 - ``slot_attention``: one decode step's attention over the bounded cache's slots,
   returning the output and each slot's probability per query head.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
@@ -55,6 +57,33 @@ def statistic_probs(q_BSHD, k_BSKD, lengths_B, rows: int | None):
     q = jnp.take_along_axis(q_BSHD, jnp.clip(qpos, 0, S - 1)[:, :, None, None], axis=1)
     causal = (jnp.arange(S)[None, None, :] <= qpos[:, :, None])[:, None, None]            # [B, 1, 1, R, S]
     return grouped_attention(q, k_BSKD, k_BSKD, allowed=causal)[2], qpos
+
+
+def statistic_scores(q_BSHD, k_BSKD, lengths_B, rows: int | None, scores_fn, *, block: int = 256):
+    """``[B, K, S]``: ``scores_fn(probs [B, K, G, R, S], lengths_B, qpos [B, R])`` over the query
+    rows a statistic reads (:func:`statistic_probs`). With ``rows=None`` (every row: H2O) the
+    rows are read ``block`` at a time and the blocks' scores summed, so no ``[B, K, G, S, S]``
+    array is formed; this needs ``scores_fn`` linear in the probabilities (sums over rows, a
+    mean over the query group, pooling over positions: every statistic here is). Rows past the
+    prompt's padding contribute zero probability."""
+    B, S = q_BSHD.shape[:2]
+    if rows is not None or S <= block:
+        probs, qpos = statistic_probs(q_BSHD, k_BSKD, lengths_B, rows)
+        return scores_fn(probs, lengths_B, qpos)
+    nblk = -(-S // block)
+    q = jnp.pad(q_BSHD, ((0, 0), (0, nblk * block - S), (0, 0), (0, 0)))
+    t = jnp.arange(S)
+
+    def body(acc_BKS, i):
+        qpos = jnp.broadcast_to(i * block + jnp.arange(block), (B, block))                 # [B, C]
+        qb = jax.lax.dynamic_slice_in_dim(q, i * block, block, axis=1)
+        causal = (t[None, None, :] <= qpos[:, :, None])[:, None, None]                     # [B, 1, 1, C, S]
+        probs = grouped_attention(qb, k_BSKD, k_BSKD, allowed=causal)[2]
+        probs = jnp.where((qpos < S)[:, None, None, :, None], probs, 0.0)
+        return acc_BKS + scores_fn(probs, lengths_B, qpos), None
+
+    init = jnp.zeros((B, k_BSKD.shape[2], S), jnp.float32)
+    return jax.lax.scan(body, init, jnp.arange(nblk))[0]
 
 
 def slot_attention(q_BHD, k_BKND, v_BKND, valid_BKN):

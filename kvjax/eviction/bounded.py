@@ -26,7 +26,7 @@ from flax import struct
 
 import pallas_kernels
 
-from kvjax.eviction.attention import slot_attention, statistic_probs
+from kvjax.eviction.attention import slot_attention, statistic_scores
 from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets, shares_budgets
 from kvjax.eviction.chunked import chunked_prefill
 from kvjax.eviction.config import EvictionConfig
@@ -199,7 +199,9 @@ class AttentionStatistic(BoundedPolicy):
     def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
         """``[B, K, S]`` per-token statistic after a dense prefill, from the attention
         probabilities of the query rows at positions ``qpos [B, R]``
-        (:func:`kvjax.eviction.attention.statistic_probs` with :attr:`score_rows`)."""
+        (:func:`kvjax.eviction.attention.statistic_probs` with :attr:`score_rows`). Linear in
+        the probabilities: with every row read, the rows come in blocks whose scores are summed
+        (:func:`kvjax.eviction.attention.statistic_scores`)."""
         raise NotImplementedError(f"policy {self.name!r} defines no prefill_scores()")
 
     def update_scores(self, scores_BKN, probs_BKN):
@@ -242,8 +244,7 @@ class AttentionStatistic(BoundedPolicy):
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         out, _ = dense_attention(q, k, v, positions, positions)
-        probs, qpos = statistic_probs(q, k, cache.lengths, self.score_rows)
-        score = self.prefill_scores(probs, cache.lengths, qpos)
+        score = statistic_scores(q, k, cache.lengths, self.score_rows, self.prefill_scores)
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
             candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
-from kvjax.eviction.attention import statistic_probs
+from kvjax.eviction.attention import statistic_scores
 from kvjax.eviction.bounded import BoundedPolicy
 from kvjax.eviction.budgets import adakv_select
 from kvjax.eviction.fenwick import token_ranks
@@ -130,8 +130,7 @@ class PromptCompressed:
         if r.static:
             return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, params["context"],
                                       state)[0]
-        probs, qpos = statistic_probs(q_BSHD, k_BSKD, params["context"], r.score_rows)
-        return r.prefill_scores(probs, params["context"], qpos)
+        return statistic_scores(q_BSHD, k_BSKD, params["context"], r.score_rows, r.prefill_scores)
 
     @property
     def statistic_key(self) -> tuple | None:

@@ -1,11 +1,12 @@
 """Attention statistics read only the query rows they need (SnapKV: the observation window,
-TOVA: the last query): the scores equal those from every row's probabilities."""
+TOVA: the last query), and H2O reads every row a block at a time: the scores equal those
+from every row's probabilities at once."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.eviction.attention import causal_probs, statistic_probs
+from kvjax.eviction.attention import causal_probs, statistic_probs, statistic_scores
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.policies import make_policy
 
@@ -24,6 +25,11 @@ def test_row_scores_equal_full_scores(name):
     for b, n in enumerate([50, 31, 5]):
         np.testing.assert_allclose(np.asarray(got[b, :, :n]), np.asarray(full[b, :, :n]), atol=1e-6, err_msg=str(b))
     assert (pol.score_rows is None) == (name == "h2o")
+    # every row in blocks of 16 (50 rows: the last block is padding past the prompt)
+    blocked = statistic_scores(q, k, lengths, None, pol.prefill_scores, block=16)
+    for b, n in enumerate([50, 31, 5]):
+        np.testing.assert_allclose(np.asarray(blocked[b, :, :n]), np.asarray(full[b, :, :n]), atol=1e-6,
+                                   err_msg=f"blocks, row {b}")
 
 
 def test_selected_rows_are_rows_of_the_causal_probabilities():
