@@ -39,7 +39,7 @@ def _oracle(graphdef, params, tokens_BS, window: int, kind: str, lengths_B=None)
     model = nnx.merge(graphdef, params)
 
     def capture(layer, q, k, v, positions, targets):
-        out, lse = dense_attention(q, k, v, positions, positions)
+        out, lse = dense_attention(q, k, v, positions, positions, prefill=True)   # from position 0: query blocks
         if kind == "peak":
             tgt = peak_future_attention(q, k, window=window, lse=lse, lengths_B=lengths_B)
         elif kind == "mean":

@@ -70,7 +70,7 @@ def _trace_features(graphdef, params, tokens_1S, window: int, length):
     lengths = jnp.reshape(length, (1,))
 
     def capture(layer, q, k, v, positions, acc):
-        out, lse = dense_attention(q, k, v, positions, positions)
+        out, lse = dense_attention(q, k, v, positions, positions, prefill=True)   # from position 0: query blocks
         mean = future_attention_target(q, k, window=window, lse=lse, lengths_B=lengths)
         peak = peak_future_attention(q, k, window=window, lse=lse, lengths_B=lengths)
         real = jnp.arange(q.shape[1]) < length

@@ -33,3 +33,28 @@ def test_union_takes_the_better_percentile_of_peak_and_mean():
         assert np.all(np.diff(union[l, b, k, 26:]) > 0)
     with pytest.raises(ValueError, match="oracle kind must be one of"):
         oracle_priorities(model, tokens, 4, "median")
+
+
+def test_the_mean_oracle_is_each_layers_future_mass_under_plain_causal_attention():
+    """The oracle's forward attends in query blocks (``prefill=True``); its priorities equal the
+    future-attention target of every layer's queries and keys from a plain causal forward with
+    the full ``S x S`` attention (ragged rows: the second counts 29 queries)."""
+    from kvjax.models.attention import dense_attention
+    from kvjax.targets import future_attention_target
+
+    model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(0), init_std=0.2)
+    tokens = np.random.RandomState(2).randint(3, 200, (2, 300))
+    lengths = np.asarray([300, 229], np.int32)
+    got = np.asarray(oracle_priorities(model, tokens, 4, "mean", lengths_B=lengths))
+
+    def capture(layer, q, k, v, positions, acc):
+        out, _ = dense_attention(q, k, v, positions, positions)               # every query over every key
+        return out, acc + ((q, k),)
+
+    _, qk = model(tokens, None, capture, ())
+    for layer, (q, k) in enumerate(qk):
+        want = np.asarray(future_attention_target(q, k, window=4, lengths_B=lengths))
+        for b, n in enumerate(lengths):
+            real = np.isfinite(want[b, :, : n - 4])
+            np.testing.assert_allclose(got[layer, b][:, : n - 4][real], want[b, :, : n - 4][real], atol=2e-5,
+                                       err_msg=f"layer {layer}, row {b}")
