@@ -7,7 +7,9 @@ depend on the policy: a context query sees every context token before it. So
    padded, row ``b``'s context ``n_b`` tokens), keeping each layer's queries when an
    attention-statistic ranker will need them;
 2. :func:`compress` ranks that cache for one :class:`PromptCompressed` policy: per layer the
-   same kept set as the one-pass prefill (:meth:`PromptCompressed.layer_keep`);
+   same kept set as the one-pass prefill (:meth:`PromptCompressed.layer_keep`); an attention
+   statistic is computed once per batch and shared by every ratio and every policy with the
+   same statistic (``memo``);
 3. :func:`answer` drops the evicted entries (:func:`kvjax.cache.compressed.compact`: a decode
    step reads the ``M`` kept slots, not all ``T``), feeds each row's question as one chunk at
    positions ``n_b ..`` and decodes greedily (:func:`kvjax.generate.decode_loop`).
@@ -82,7 +84,7 @@ def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_
 @functools.partial(jax.jit, static_argnums=0)
 def _statistic_priorities(policy: PromptCompressed, params, pre: ContextPrefill) -> jax.Array:
     """``float32 [L, B, K, S]``: an attention-statistic ranker's priorities, one layer at a time
-    (one ``S x S`` attention at a time)."""
+    (:func:`kvjax.eviction.attention.statistic_scores`: the rows it reads, in blocks)."""
     S = pre.queries.shape[2]
     k_LBSKD = jnp.stack([jnp.swapaxes(k[:, :, :S], 1, 2) for k in pre.dense.k])
     return jax.lax.map(lambda x: policy.priority(params, 0, x[0], x[1], None, None, None), (pre.queries, k_LBSKD))
