@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import warnings
 
 import numpy as np
 import pytest
