@@ -2,7 +2,8 @@
 
     python bench/needle_kept_share.py [--tasks niah_noise niah_text] [--problems 8] [--length 1024]
         [--compression 0.75] [--learned kvpop_mlp=assets/smollm2-scorers/kvpop-mlp-mean ...]
-        [--prefill bounded|compressed] [--question-aware] [--pool 7] [--retrieval-heads 20]
+        [--prefill bounded|compressed] [--question-aware] [--obs-window 32] [--pool 7]
+        [--retrieval-heads 20] [--duo assets/smollm2-duo]
 
 For every RULER-style needle problem (``kvjax.longctx.tasks``) the prompt (context + question)
 is prefilled through each policy's bounded cache (4 sinks + 32 window + the rest of the budget,
@@ -16,7 +17,8 @@ haystack.
 pass over each context, then each policy's one-time selection of the context
 (:mod:`kvjax.eviction.shared_prefill`); ``--question-aware`` compresses the question with the
 context, so SnapKV's observation window and TOVA's last query are the question's. ``--pool``
-sets SnapKV's pooling kernel (odd; 1 = no pooling). ``--retrieval-heads R`` adds a second row per
+and ``--obs-window`` set SnapKV's pooling kernel (odd; 1 = no pooling) and observation window
+(defaults as in the long-context table: 7 and 32). ``--retrieval-heads R`` adds a second row per
 policy over only the ``R`` (layer, KV head) pairs with the largest DuoAttention gates
 (``--duo``, trained on passkey retrieval): the heads that copy a needle, whose kept set decides
 the answer.
