@@ -54,6 +54,11 @@ def report(cfg: LongCtxConfig) -> dict:
     return {**table(records, names, cfg), "records": records, "complete": complete}
 
 
+def _mean_se(cell) -> str:
+    """A task-average cell ``(mean, se, tasks)`` as ``"mean ± se"``; empty when missing."""
+    return f"{cell[0]:.1%} ± {cell[1]:.1%}" if cell else ""
+
+
 def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
     """One table of every length: rows = policies, columns = (length, compression) task averages
     ± SE; a length appears once its every solvable task has records."""
@@ -62,10 +67,7 @@ def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
     out = ["| policy | " + " | ".join(f"{L // 1024}k, {c:.0%}" for L, c in cols) + " |",
            "|---|" + "---|" * len(cols)]
     for p in names:
-        cells = []
-        for L, c in cols:
-            a = tab["average"].get((L, 0.0 if p == "dense" else c, p))
-            cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+        cells = [_mean_se(tab["average"].get((L, 0.0 if p == "dense" else c, p))) for L, c in cols]
         out.append(f"| {p} | " + " | ".join(cells) + " |")
     per_task = {L: sorted({v[2] for (LL, _c, _p, t), v in tab["cells"].items() if LL == L and t in tab["solvable"][L]})
                 for L in cfg.lengths}
@@ -90,10 +92,7 @@ def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
         out.append("| policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |")
         out.append("|---|" + "---|" * len(comps))
         for p in names:
-            cells = []
-            for c in ([0.0] * len(comps) if p == "dense" else comps):
-                a = tab["average"].get((L, c, p))
-                cells.append(f"{a[0]:.1%} ± {a[1]:.1%}" if a else "")
+            cells = [_mean_se(tab["average"].get((L, c, p))) for c in ([0.0] * len(comps) if p == "dense" else comps)]
             n = max((v[2] for (LL, _c, pp, _t), v in tab["cells"].items() if LL == L and pp == p), default=0)
             mark = " †" if cfg.prefill == "auto" and dense_prefill(p) else ""
             out.append(f"| {p}{mark} [{n}] | " + " | ".join(cells) + " |")
