@@ -41,16 +41,19 @@ from kvjax.sampling import bucket
 @struct.dataclass
 class ContextPrefill:
     dense: DenseCache              # the contexts' keys and values, slots [0, S) of T
-    queries: jax.Array | None      # [L, B, S, H, D] (attention-statistic rankers), or None
+    queries: jax.Array | None      # [L, B, S, H, D] (attention-statistic rankers and oracles), or None
     context: jax.Array             # int32 [B]: n_b
+    lse: jax.Array | None = None   # float32 [L, B, S, H]: each query's log-sum-exp (kept with the queries)
 
 
 def _recording_backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
-    dense, queries = state
-    out, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=True)
+    dense, queries, lse = state
+    out, lse_BSH, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=True,
+                                                with_lse=True)
     if queries is not None:
         queries = queries.at[layer].set(q_BSHD.astype(queries.dtype))
-    return out, (dense, queries)
+        lse = lse.at[layer].set(lse_BSH)
+    return out, (dense, queries, lse)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("cache_len", "keep_queries"))
@@ -59,9 +62,10 @@ def _prefill(graphdef, params, tokens_BS, *, cache_len: int, keep_queries: bool)
     cfg = model.config
     B, S = tokens_BS.shape
     queries = jnp.zeros((cfg.num_layers, B, S, cfg.num_heads, cfg.head_dim), model.dtype) if keep_queries else None
-    _, (dense, queries) = model(tokens_BS, None, _recording_backend,
-                                (DenseCache.init(cfg, B, cache_len, model.dtype), queries))
-    return dense, queries
+    lse = jnp.zeros((cfg.num_layers, B, S, cfg.num_heads), jnp.float32) if keep_queries else None
+    _, (dense, queries, lse) = model(tokens_BS, None, _recording_backend,
+                                     (DenseCache.init(cfg, B, cache_len, model.dtype), queries, lse))
+    return dense, queries, lse
 
 
 def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_id: int = 0) -> ContextPrefill:
@@ -77,8 +81,9 @@ def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_
     for b, c in enumerate(contexts):
         tokens[b, :len(c)] = c
     graphdef, params = nnx.split(model)
-    dense, queries = _prefill(graphdef, params, jnp.asarray(tokens), cache_len=cache_len, keep_queries=keep_queries)
-    return ContextPrefill(dense, queries, jnp.asarray(n))
+    dense, queries, lse = _prefill(graphdef, params, jnp.asarray(tokens), cache_len=cache_len,
+                                   keep_queries=keep_queries)
+    return ContextPrefill(dense, queries, jnp.asarray(n), lse)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -15,7 +15,8 @@ setting (:mod:`kvjax.eviction.prompt_compressed`): dense prefill, the context (n
 question) compressed once to ``round((1 - c) * n)`` tokens per head, then nothing is evicted; the
 dense context pass is run once per batch and shared by every policy and compression
 (:mod:`kvjax.eviction.shared_prefill`, equal to one pass per policy).
-The hindsight oracles rank by the dense model's future attention over its own prompt + answer.
+The hindsight oracles rank by the dense model's future attention over its own prompt + answer
+(with prefill compression, from the shared context pass: only the question and answer run again).
 
 Records are per problem in a :class:`~kvjax.evaluation.results_store.ResultsStore`
 (resumable, scorer digests fingerprinted); :func:`table` averages them with standard errors.
@@ -128,7 +129,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
 
     import kvjax
     from kvjax.evaluation.budgets import rebudget
-    from kvjax.evaluation.oracle import oracle_priorities
+    from kvjax.evaluation.oracle import oracle_priorities, prefill_oracle_priorities
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.policies import make_policy
     from kvjax.eviction.prompt_compressed import prompt_compressed
@@ -190,7 +191,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     if "pre" not in shared:
                         shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
                                                         cache_len=bucket(S) + bucket(cfg.max_new),
-                                                        keep_queries=any(map(dense_prefill, names)))
+                                                        keep_queries=any(dense_prefill(n) or n in ORACLES
+                                                                         for n in names))
                     cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"],
                                                                                      memo=shared.setdefault("prio", {}))
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
@@ -227,6 +229,10 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 if kind not in oracles:
                     if dense_new is None:      # resumed: the dense answers again (greedy, the same tokens)
                         dense_new = run_policy(None)
+                    if cfg.prefill == "compressed":     # the shared prefill's context; the tail runs again
+                        tails = [q + a for (_, q), a in zip(parts, _answers(dense_new, stops))]
+                        oracles[kind] = prefill_oracle_priorities(model, shared["pre"], tails, cfg.window, kind)
+                        return oracles[kind]
                     full = [r + a for r, a in zip(ids, _answers(dense_new, stops))]
                     T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
                     seq = np.full((len(full), T), int(stops[0]), np.int32)

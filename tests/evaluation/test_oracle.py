@@ -58,3 +58,32 @@ def test_the_mean_oracle_is_each_layers_future_mass_under_plain_causal_attention
             real = np.isfinite(want[b, :, : n - 4])
             np.testing.assert_allclose(got[layer, b][:, : n - 4][real], want[b, :, : n - 4][real], atol=2e-5,
                                        err_msg=f"layer {layer}, row {b}")
+
+
+@pytest.mark.parametrize("kind", ["mean", "peak", "union"])
+def test_the_oracle_from_a_shared_prefill_equals_the_oracle_of_the_whole_rows(kind):
+    """``prefill_oracle_priorities`` (the context's queries from the shared prefill, the tail run
+    again) equals ``oracle_priorities`` on context + tail, at every slot: ragged rows, and a
+    padded tail that runs past the cache's last slot (row 0: 50 + 32 > 72)."""
+    from kvjax.eviction.shared_prefill import prefill_context
+    from kvjax.evaluation.oracle import prefill_oracle_priorities
+
+    model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(TINY_MODEL), rngs=nnx.Rngs(0), init_std=0.2)
+    rng = np.random.RandomState(3)
+    ctx = [rng.randint(3, 200, n).tolist() for n in (50, 37)]
+    tails = [rng.randint(3, 200, n).tolist() for n in (20, 9)]
+    T = 72
+    pre = prefill_context(model, ctx, cache_len=T, keep_queries=True)
+    got = np.asarray(prefill_oracle_priorities(model, pre, tails, 4, kind))
+    whole = np.zeros((2, T), np.int32)
+    for b, (c, t) in enumerate(zip(ctx, tails)):
+        whole[b, : len(c) + len(t)] = c + t
+    want = np.asarray(oracle_priorities(model, whole, 4, kind, lengths_B=np.asarray([70, 46], np.int32)))
+    assert got.shape == want.shape == (2, 2, 2, T)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.argsort(got[..., :70], kind="stable")[:, 0, :, -20:],
+                                  np.argsort(want[..., :70], kind="stable")[:, 0, :, -20:])
+    with pytest.raises(ValueError, match="keep_queries=True"):
+        prefill_oracle_priorities(model, prefill_context(model, ctx, cache_len=T, keep_queries=False), tails, 4)
+    with pytest.raises(ValueError, match="every row needs 1 to T - n_b tokens"):
+        prefill_oracle_priorities(model, pre, [tails[0] * 2, tails[1]], 4, kind)

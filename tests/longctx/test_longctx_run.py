@@ -67,11 +67,13 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
 
 
 def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
-    """``prefill: compressed``: each policy ranks only the context, the question evicts nothing."""
+    """``prefill: compressed``: each policy ranks only the context, the question evicts nothing;
+    the oracle (from the shared prefill) equals one computed on the whole row."""
     from kvjax.eviction.prompt_compressed import prompt_compressed
+    from kvjax.sampling import bucket
 
     cfg = LongCtxConfig(tasks=["niah_noise"], lengths=[256], problems=2, compressions=[0.75],
-                        policies=["snapkv", "knorm", "adakv"], sinks=2, window=8, max_new=6, batch_size=2,
+                        policies=["snapkv", "knorm", "adakv", "oracle"], sinks=2, window=8, max_new=6, batch_size=2,
                         prefill="compressed", out_dir=str(tmp_path / "out"))
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
     recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
@@ -84,11 +86,21 @@ def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
     cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
     r = next(r for r in recs if r["index"] == 1 and r["policy"] == "snapkv")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
-    assert "prefill compression" in markdown(tab, cfg, ["dense", "snapkv", "knorm", "adakv"])
+    assert "prefill compression" in markdown(tab, cfg, ["dense", "snapkv", "knorm", "adakv", "oracle"])
     ada = prompt_compressed(kvjax.make_policy("adakv", budget(cfg, 256, 0.75)), 0.75, [len(ctx)])
     out = np.asarray(kvjax.generate(model, [ctx + q], 6, policy=ada, eos_token_id=stops))[0, len(ctx + q):].tolist()
     cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
     r = next(r for r in recs if r["index"] == 1 and r["policy"] == "adakv")
+    assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
+    out = np.asarray(kvjax.generate(model, [ctx + q], 6, eos_token_id=stops))[0, len(ctx + q):].tolist()
+    full = ctx + q + out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+    seq = np.zeros((1, bucket(len(ctx + q)) + bucket(6)), np.int32)
+    seq[0, :len(full)] = full
+    prio = oracle_priorities(model, seq, cfg.window, "mean", lengths_B=np.asarray([len(full)], np.int32))
+    orc = prompt_compressed(kvjax.make_policy("oracle", budget(cfg, 256, 0.75), params=prio), 0.75, [len(ctx)])
+    out = np.asarray(kvjax.generate(model, [ctx + q], 6, policy=orc, eos_token_id=stops))[0, len(ctx + q):].tolist()
+    cut = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
+    r = next(r for r in recs if r["index"] == 1 and r["policy"] == "oracle")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
     with pytest.raises(ValueError, match="prefill must be 'bounded', 'auto' or 'compressed'"):
         LongCtxConfig(prefill="dense")
