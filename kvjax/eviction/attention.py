@@ -59,17 +59,33 @@ def statistic_probs(q_BSHD, k_BSKD, lengths_B, rows: int | None):
     return grouped_attention(q, k_BSKD, k_BSKD, allowed=causal)[2], qpos
 
 
-def statistic_scores(q_BSHD, k_BSKD, lengths_B, rows: int | None, scores_fn, *, block: int = 256):
+def statistic_scores(q_BSHD, k_BSKD, lengths_B, rows: int | None, scores_fn, *, block: int | None = None,
+                     columnwise: bool = False):
     """``[B, K, S]``: ``scores_fn(probs [B, K, G, R, S], lengths_B, qpos [B, R])`` over the query
     rows a statistic reads (:func:`statistic_probs`). With ``rows=None`` (every row: H2O) the
     rows are read ``block`` at a time and the blocks' scores summed, so no ``[B, K, G, S, S]``
     array is formed; this needs ``scores_fn`` linear in the probabilities (sums over rows, a
     mean over the query group, pooling over positions: every statistic here is). Rows past the
-    prompt's padding contribute zero probability."""
+    prompt's padding contribute zero probability.
+
+    ``columnwise``: a key's score reads only its own column (no pooling over positions: H2O).
+    Then query block ``[s0, e)`` reads only keys ``[0, e)`` (the later keys' probabilities are
+    zero), about half the work: 0.99 -> 0.57 s a layer at 8 x 2k tokens on 2 CPU cores, blocks
+    of 128 rows (256 without it)."""
     B, S = q_BSHD.shape[:2]
+    block = block or (128 if columnwise else 256)
     if rows is not None or S <= block:
         probs, qpos = statistic_probs(q_BSHD, k_BSKD, lengths_B, rows)
         return scores_fn(probs, lengths_B, qpos)
+    if columnwise:
+        acc = jnp.zeros((B, k_BSKD.shape[2], S), jnp.float32)
+        for s0 in range(0, S, block):
+            e = min(S, s0 + block)
+            qpos = jnp.broadcast_to(jnp.arange(s0, e), (B, e - s0))                        # [B, C]
+            causal = (jnp.arange(e)[None, None, :] <= qpos[:, :, None])[:, None, None]    # [B, 1, 1, C, e]
+            probs = grouped_attention(q_BSHD[:, s0:e], k_BSKD[:, :e], k_BSKD[:, :e], allowed=causal)[2]
+            acc = acc.at[..., :e].add(scores_fn(probs, lengths_B, qpos))
+        return acc
     nblk = -(-S // block)
     q = jnp.pad(q_BSHD, ((0, 0), (0, nblk * block - S), (0, 0), (0, 0)))
     t = jnp.arange(S)

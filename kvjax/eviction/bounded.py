@@ -195,6 +195,7 @@ class AttentionStatistic(BoundedPolicy):
     static: ClassVar[bool] = False
 
     score_rows: ClassVar[int | None] = None       # query rows the statistic reads: all, or each row's last R
+    columnwise: ClassVar[bool] = False            # a key's score reads only its column (statistic_scores)
 
     def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
         """``[B, K, S]`` per-token statistic after a dense prefill, from the attention
@@ -244,7 +245,7 @@ class AttentionStatistic(BoundedPolicy):
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         out, _ = dense_attention(q, k, v, positions, positions)
-        score = statistic_scores(q, k, cache.lengths, self.score_rows, self.prefill_scores)
+        score = statistic_scores(q, k, cache.lengths, self.score_rows, self.prefill_scores, columnwise=self.columnwise)
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
             candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])

@@ -138,6 +138,7 @@ class TOVA(AttentionStatistic):
 @dataclasses.dataclass(frozen=True)
 class H2O(AttentionStatistic):
     name: ClassVar[str] = "h2o"
+    columnwise: ClassVar[bool] = True             # column sums: query blocks skip the later keys
 
     def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
         real_q = (qpos_BR < lengths_B[:, None])[:, None, None, :, None]

@@ -130,7 +130,8 @@ class PromptCompressed:
         if r.static:
             return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, params["context"],
                                       state)[0]
-        return statistic_scores(q_BSHD, k_BSKD, params["context"], r.score_rows, r.prefill_scores)
+        return statistic_scores(q_BSHD, k_BSKD, params["context"], r.score_rows, r.prefill_scores,
+                                columnwise=r.columnwise)
 
     @property
     def statistic_key(self) -> tuple | None:

@@ -30,6 +30,12 @@ def test_row_scores_equal_full_scores(name):
     for b, n in enumerate([50, 31, 5]):
         np.testing.assert_allclose(np.asarray(blocked[b, :, :n]), np.asarray(full[b, :, :n]), atol=1e-6,
                                    err_msg=f"blocks, row {b}")
+    if pol.columnwise:      # query blocks that skip the keys past the block (the last block: 2 rows)
+        tri = statistic_scores(q, k, lengths, None, pol.prefill_scores, block=16, columnwise=True)
+        for b, n in enumerate([50, 31, 5]):
+            np.testing.assert_allclose(np.asarray(tri[b, :, :n]), np.asarray(full[b, :, :n]), atol=1e-6,
+                                       err_msg=f"columnwise blocks, row {b}")
+    assert pol.columnwise == (name == "h2o")      # SnapKV's pooling reads neighbouring columns
 
 
 def test_selected_rows_are_rows_of_the_causal_probabilities():
