@@ -91,7 +91,7 @@ class ResultsStore:
         self.records: dict[str, dict] = {}
         self.discarded: dict[str, int] = {}   # policy -> records dropped because its files changed
         if self.path.exists():
-            good = []
+            good: dict[str, str] = {}      # key -> its last line: a key written twice is kept once
             for line in self.path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
@@ -101,9 +101,9 @@ class ResultsStore:
                     self.discarded[policy] = self.discarded.get(policy, 0) + 1
                     continue
                 self.records[rec["key"]] = rec
-                good.append(line)
+                good[rec["key"]] = line
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(g + "\n" for g in good))
+            tmp.write_text("".join(g + "\n" for g in good.values()))
             os.replace(tmp, self.path)
 
     def close(self) -> None:

@@ -28,6 +28,20 @@ def test_changed_scorer_drops_only_its_policy(tmp_path):
     assert again.discarded == {} and len(again.records) == 6      # the file itself was rewritten
 
 
+def test_a_torn_tail_and_a_key_written_twice_are_mended_on_load(tmp_path):
+    """Two writers once appended the same batch (the lock file removed by hand): the later
+    line of a key wins, once; a torn last line is dropped and recomputed."""
+    _filled(tmp_path)
+    path = tmp_path / "problems.jsonl"
+    twice = json.dumps({"key": record_key(1, 0.75, "kv", 1), "v": 10})
+    path.write_text(path.read_text() + twice + "\n" + '{"key": "1|0.75|kv|')
+    st = ResultsStore(tmp_path, RUN, policies=POLICIES)
+    assert len(st.records) == 9 and st.records[record_key(1, 0.75, "kv", 1)]["v"] == 10
+    st.close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 9 and twice in lines
+
+
 def test_changed_run_is_refused_and_nothing_is_lost(tmp_path):
     _filled(tmp_path)
     with pytest.raises(ValueError, match="differs in: weights"):
