@@ -6,7 +6,7 @@ the committed store (runs nothing; can run while the table is being computed).
 Writes the store folder's ``table.md``, ``summary.json`` and figures (``python -m kvjax.longctx
 --report``), copies the figures to ``docs/figures/smollm2-longctx-compressed-*.png``, and
 replaces the text between the ``<!-- longctx overview ... -->`` / ``<!-- /longctx overview -->``
-markers of README.md (the overview table and the problems per task) and between the
+markers of README.md (the overview table, the problems per task and who wins where) and between the
 ``<!-- longctx tables ... -->`` markers of docs/real-model.md (every table).
 """
 
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         raise SystemExit("longctx_readme: the report failed")
     out = ROOT / cfg.out_dir
     table = (out / "table.md").read_text()
-    overview = table.partition("\n\n**")[0]
+    overview = re.split(r"\n\n\*\*\d", table, maxsplit=1)[0]      # the overview and who wins where
     replace_between(ROOT / "README.md", "longctx overview", overview)
     replace_between(ROOT / "docs/real-model.md", "longctx tables", table)
     for src, dst in (("accuracy_vs_compression.png", "accuracy"), ("needle_heatmap.png", "needles")):

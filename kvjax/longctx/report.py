@@ -1,12 +1,15 @@
 """Reading a long-context store: :func:`report` (the table of what a folder holds, while its run
-goes on), :func:`overview` and :func:`markdown` (the tables printed and written by
-``python -m kvjax.longctx``)."""
+goes on), :func:`overview`, :func:`winners` and :func:`markdown` (the tables printed and written
+by ``python -m kvjax.longctx``)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
-from kvjax.longctx.run import SETTING, LongCtxConfig, dense_prefill, table
+import numpy as np
+
+from kvjax.longctx.run import ORACLES, SETTING, LongCtxConfig, dense_prefill, table
 from kvjax.longctx.tasks import TASKS
 
 
@@ -78,10 +81,69 @@ def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
     return "\n".join(out)
 
 
+def paired_difference(records, length: int, compression: float, a: str, b: str, tasks) -> tuple[float, float]:
+    """``(mean, se)``: policy ``a``'s score minus ``b``'s at ``length`` and ``compression``, paired by
+    problem. Per task the mean and SE of the per-problem differences (problems both answered);
+    the task average's SE combines the tasks' SEs, as :func:`~kvjax.longctx.run.table`'s does."""
+    score = {}
+    for r in records:
+        if r["length"] == length and r["policy"] in (a, b) and (r["policy"] == "dense" or r["compression"] == compression):
+            score[(r["policy"], r["task"], r["index"])] = r["score"]
+    means, ses = [], []
+    for t in tasks:
+        d = np.asarray([score[(a, tt, i)] - score[(b, tt, i)] for (p, tt, i) in score
+                        if p == a and tt == t and (b, t, i) in score], float)
+        if not d.size:
+            raise ValueError(f"paired_difference: no problem of task {t!r} has both {a!r} and {b!r}")
+        means.append(d.mean())
+        ses.append(d.std(ddof=1) / math.sqrt(d.size) if d.size > 1 else float("nan"))
+    return float(np.mean(means)), math.sqrt(sum(x * x for x in ses)) / len(ses)
+
+
+def winners(tab: dict, cfg: LongCtxConfig, names) -> str:
+    """Who wins where: per (length, compression) column with every policy's task average, the
+    first and second policy (hindsight oracles apart) and the first's margin over the second, the
+    best learned policy and the best heuristic and the margin between them; margins paired by
+    problem over the tasks dense solves (:func:`paired_difference`), in points ± SE."""
+    if "records" not in tab:
+        return ""
+    learned = [p for p in names if p in cfg.learned]
+    heuristics = [p for p in names if p != "dense" and p not in learned and p not in ORACLES]
+    out = ["| column | first | second | first − second | best learned | best heuristic | learned − heuristic |",
+           "|---|---|---|---|---|---|---|"]
+    for L in cfg.lengths:
+        for c in cfg.compressions:
+            avg = {p: tab["average"].get((L, c, p)) for p in names if p != "dense" and p not in ORACLES}
+            if not avg or None in avg.values():
+                continue
+            rank = sorted(avg, key=lambda p: -avg[p][0])
+
+            def cell(p):
+                return f"{p} {avg[p][0]:.1%}"
+
+            def margin(a, b):
+                m, se = paired_difference(tab["records"], L, c, a, b, tab["solvable"][L])
+                return f"{100 * m:+.1f} ± {100 * se:.1f}"
+
+            two = len(rank) > 1
+            row = [f"{L // 1024}k, {c:.0%}", cell(rank[0]), cell(rank[1]) if two else "",
+                   margin(rank[0], rank[1]) if two else ""]
+            best_l = next((p for p in rank if p in learned), None)
+            best_h = next((p for p in rank if p in heuristics), None)
+            row += [cell(best_l) if best_l else "", cell(best_h) if best_h else "",
+                    margin(best_l, best_h) if best_l and best_h else ""]
+            out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out) if len(out) > 2 else ""
+
+
 def markdown(tab: dict, cfg: LongCtxConfig, names) -> str:
-    """The :func:`overview`, then per length: rows = policies, columns = the task average at
+    """The :func:`overview` and :func:`winners`, then per length: rows = policies, columns = the task average at
     each compression (and per task at 75%/88%)."""
     out = [overview(tab, cfg, names)]
+    if win := winners(tab, cfg, names):
+        out.append("\n**Who wins where** — task averages over the tasks dense solves; margins in points, "
+                   "paired by problem, ± SE\n")
+        out.append(win)
     for L in cfg.lengths:
         solv = tab["solvable"][L]
         out.append(f"\n**{L} tokens** — task average over the tasks dense solves ({', '.join(solv) or 'none'}); "

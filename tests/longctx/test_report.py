@@ -65,3 +65,25 @@ def test_cli_writes_the_table_and_figures_without_running(tmp_path, capsys):
     assert "problems per task: 1024: 3; averaged over the tasks dense solves: 1024: niah_noise, vt" in out
     assert {p.name for p in (tmp_path / "s").iterdir()} >= {"table.md", "summary.json", "accuracy_vs_compression.png",
                                                             "needle_heatmap.png"}
+
+
+def test_who_wins_where_ranks_policies_without_the_oracle_and_pairs_the_margins():
+    from kvjax.longctx.report import markdown, paired_difference
+    from kvjax.longctx.run import table
+
+    scores = {("niah_noise", "dense"): [1, 1, 1], ("niah_noise", "lkv"): [1, 1, 0], ("niah_noise", "knorm"): [1, 0, 0],
+              ("niah_noise", "oracle"): [1, 1, 1], ("vt", "dense"): [1, 1, 1], ("vt", "lkv"): [1, 0, 1],
+              ("vt", "knorm"): [0, 0, 1], ("vt", "oracle"): [1, 1, 1]}
+    recs = [{"length": 1024, "compression": 0.0 if p == "dense" else 0.75, "policy": p, "task": t, "index": i,
+             "score": float(v), "depth": None} for (t, p), vs in scores.items() for i, v in enumerate(vs)]
+    cfg = LongCtxConfig(tasks=["niah_noise", "vt"], lengths=[1024], compressions=[0.75],
+                        policies=["dense", "knorm", "oracle"], learned={"lkv": "unused"})
+    names = ["dense", "knorm", "oracle", "lkv"]
+    tab = {**table(recs, names, cfg), "records": recs}
+    m, se = paired_difference(recs, 1024, 0.75, "lkv", "knorm", ["niah_noise", "vt"])
+    assert m == pytest.approx(1 / 3) and se == pytest.approx(((2 * (1 / 3) ** 2) ** 0.5) / 2)   # per task: 1/3
+    assert paired_difference(recs, 1024, 0.75, "knorm", "lkv", ["vt"])[0] == pytest.approx(-1 / 3)
+    md = markdown(tab, cfg, names)
+    assert "| 1k, 75% | lkv 66.7% | knorm 33.3% | +33.3 ± 23.6 | lkv 66.7% | knorm 33.3% | +33.3 ± 23.6 |" in md
+    with pytest.raises(ValueError, match="no problem of task 'qa' has both"):
+        paired_difference(recs, 1024, 0.75, "lkv", "knorm", ["qa"])
