@@ -244,7 +244,7 @@ class AttentionStatistic(BoundedPolicy):
 
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
-        out, _ = dense_attention(q, k, v, positions, positions)
+        out, _ = dense_attention(q, k, v, positions, positions, prefill=True)   # the prompt from position 0
         score = statistic_scores(q, k, cache.lengths, self.score_rows, self.prefill_scores, columnwise=self.columnwise)
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
