@@ -70,8 +70,8 @@ def statistic_scores(q_BSHD, k_BSKD, lengths_B, rows: int | None, scores_fn, *, 
 
     ``columnwise``: a key's score reads only its own column (no pooling over positions: H2O).
     Then query block ``[s0, e)`` reads only keys ``[0, e)`` (the later keys' probabilities are
-    zero), about half the work: 0.99 -> 0.57 s a layer at 8 x 2k tokens on 2 CPU cores, blocks
-    of 128 rows (256 without it)."""
+    zero), about half the work: 1.14 -> 0.57 s a layer at 8 x 2k tokens on 2 CPU cores
+    (``bench/statistic_speed.py``), blocks of 128 rows (256 without it)."""
     B, S = q_BSHD.shape[:2]
     block = block or (128 if columnwise else 256)
     if rows is not None or S <= block:

@@ -87,7 +87,8 @@ def paired_difference(records, length: int, compression: float, a: str, b: str, 
     the task average's SE combines the tasks' SEs, as :func:`~kvjax.longctx.run.table`'s does."""
     score = {}
     for r in records:
-        if r["length"] == length and r["policy"] in (a, b) and (r["policy"] == "dense" or r["compression"] == compression):
+        same_column = r["policy"] == "dense" or r["compression"] == compression
+        if r["length"] == length and r["policy"] in (a, b) and same_column:
             score[(r["policy"], r["task"], r["index"])] = r["score"]
     means, ses = [], []
     for t in tasks:
