@@ -106,6 +106,17 @@ def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
         LongCtxConfig(prefill="dense")
 
 
+def test_an_oracle_beside_static_rankers_keeps_the_prefills_queries(model, tok, tmp_path):
+    """No attention statistic in the config: the shared prefill still keeps its queries and
+    log-sum-exps, which the oracle reads (else: "keep_queries=True")."""
+    cfg = LongCtxConfig(tasks=["niah_noise"], lengths=[256], problems=1, compressions=[0.75],
+                        policies=["knorm", "oracle"], sinks=2, window=8, max_new=4, batch_size=1,
+                        prefill="compressed", out_dir=str(tmp_path / "out"))
+    run_longctx(cfg, model=model, tokenizer=tok, progress=False)
+    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    assert sorted(r["policy"] for r in recs) == ["dense", "knorm", "oracle"]
+
+
 def test_oracle_priorities_of_a_padded_row_equal_the_unpadded_row(model):
     rs = np.random.RandomState(0)
     a = rs.randint(0, 49152, (1, 40)).astype(np.int32)
