@@ -57,11 +57,16 @@ def future_attention_target(q, k, *, window: int, lse=None, aggregate: str = "ma
 def peak_future_attention(q, k, *, window: int, lse=None, block: int = 256, lengths_B=None):
     """``q [B, S, Hq, D]``, ``k [B, S, Hkv, D]`` -> ``float32 [B, Hkv, S]``: ``r_peak`` above
     (``-inf`` where ``t + w >= S``), blockwise over queries like the mean target."""
-    S = q.shape[1]
-    acc = jnp.max(future_log_mass(q, k, window=window, lse_BSH=lse, block=block, reduce="max", lengths_B=lengths_B),
-                  axis=2)
+    log_max = future_log_mass(q, k, window=window, lse_BSH=lse, block=block, reduce="max", lengths_B=lengths_B)
+    return peak_from_log_max(log_max, window=window, lengths_B=lengths_B)
+
+
+def peak_from_log_max(log_max_BKGS, *, window: int, lengths_B=None):
+    """``r_peak [B, K, S]`` from each query head's largest log probability ``[B, K, G, S]``
+    (``future_log_mass(reduce="max")``): the max over the group, ``-inf`` where ``t + w >= n``."""
+    S = log_max_BKGS.shape[-1]
     n = jnp.full((1, 1), S) if lengths_B is None else jnp.asarray(lengths_B)[:, None]
-    return jnp.where((jnp.arange(S) + window < n)[:, None, :], acc, NEG)
+    return jnp.where((jnp.arange(S) + window < n)[:, None, :], jnp.max(log_max_BKGS, axis=2), NEG)
 
 
 def dense_target(q, k, *, window: int, lse=None, aggregate: str = "max", eps: float = 1e-8):

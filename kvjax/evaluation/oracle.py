@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import dense_cache_attention
-from kvjax.eviction.shared_prefill import ContextPrefill
+from kvjax.eviction.shared_prefill import ContextPrefill, record_queries
 from kvjax.models.attention import dense_attention
 from kvjax.sampling import bucket
+from kvjax.targets import peak_from_log_max
 from pallas_kernels.reference import future_log_mass, grouped_logits, target_from_log_mass
 
 KINDS = ("mean", "peak", "union")
@@ -46,12 +46,10 @@ def _priorities(mass, S: int, window: int, kind: str, lengths_B=None):
     over the future queries ``d >= t + w`` of each row, the log of the summed attention
     (``reduce="sum"``) or of the largest probability (``"max"``), as
     :func:`pallas_kernels.reference.future_log_mass` returns them."""
-    n = jnp.full((1, 1), S) if lengths_B is None else jnp.asarray(lengths_B)[:, None]
-    t = jnp.arange(S)
     if kind in ("mean", "union"):        # KVpop's target (kvjax.targets.future_attention_target)
         mean = target_from_log_mass(mass("sum"), window=window, aggregate="max", lengths_B=lengths_B)
     if kind in ("peak", "union"):        # kvjax.targets.peak_future_attention
-        peak = jnp.where((t + window < n)[:, None, :], jnp.max(mass("max"), axis=2), -jnp.inf)
+        peak = peak_from_log_max(mass("max"), window=window, lengths_B=lengths_B)
     if kind == "mean":
         tgt = mean
     elif kind == "peak":
@@ -59,7 +57,8 @@ def _priorities(mass, S: int, window: int, kind: str, lengths_B=None):
     else:
         tgt = jnp.where(jnp.isfinite(mean), jnp.maximum(_percentile(peak), _percentile(mean)), -jnp.inf)
     # tokens with no future query rank by recency (they sit in the window anyway)
-    return jnp.where(jnp.isfinite(tgt), tgt, -1e6 + t.astype(jnp.float32))   # exact integers in float32
+    t = jnp.arange(S, dtype=jnp.float32)
+    return jnp.where(jnp.isfinite(tgt), tgt, -1e6 + t)   # exact integers in float32
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
@@ -88,13 +87,6 @@ def oracle_priorities(model, tokens_BS, window: int, kind: str = "mean", lengths
     return _oracle(graphdef, params, jnp.asarray(tokens_BS, jnp.int32), int(window), kind, lengths)
 
 
-def _tail_backend(layer, q_BAHD, k_BAKD, v_BAKD, positions_BA, state):
-    """The tail's chunk over the dense cache, recording each layer's queries and log-sum-exps."""
-    dense, queries, lse = state
-    out, lse_BAH, dense = dense_cache_attention(layer, q_BAHD, k_BAKD, v_BAKD, positions_BA, dense, with_lse=True)
-    return out, (dense, queries.at[layer].set(q_BAHD.astype(queries.dtype)), lse.at[layer].set(lse_BAH))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _prefill_oracle(graphdef, params, pre: ContextPrefill, tail_BA, window: int, kind: str, tail_B):
     model = nnx.merge(graphdef, params)
@@ -104,7 +96,7 @@ def _prefill_oracle(graphdef, params, pre: ContextPrefill, tail_BA, window: int,
     positions = pre.context[:, None] + jnp.arange(A)[None, :]                  # past T: dropped by the scatter
     state = (pre.dense, jnp.zeros((cfg.num_layers, B, A, cfg.num_heads, cfg.head_dim), pre.queries.dtype),
              jnp.zeros((cfg.num_layers, B, A, cfg.num_heads), jnp.float32))
-    _, (dense, q_tail, lse_tail) = model(tail_BA, positions, _tail_backend, state)
+    _, (dense, q_tail, lse_tail) = model(tail_BA, positions, functools.partial(record_queries, prefill=False), state)
     lengths = pre.context + tail_B                                              # [B]: each row's whole sequence
     t = jnp.arange(T)
     tail_ok = ((positions[:, :, None] >= t[None, None, :] + window)

@@ -46,9 +46,12 @@ class ContextPrefill:
     lse: jax.Array | None = None   # float32 [L, B, S, H]: each query's log-sum-exp (kept with the queries)
 
 
-def _recording_backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state):
+def record_queries(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state, *, prefill: bool = True):
+    """Attention backend over ``state = (DenseCache, queries [L, B, S, H, D] or None, lse [L, B, S, H])``:
+    the dense cache's attention (``prefill``: a prompt from position 0, in query blocks), recording
+    each layer's queries and log-sum-exps when ``queries`` is given."""
     dense, queries, lse = state
-    out, lse_BSH, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=True,
+    out, lse_BSH, dense = dense_cache_attention(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, dense, prefill=prefill,
                                                 with_lse=True)
     if queries is not None:
         queries = queries.at[layer].set(q_BSHD.astype(queries.dtype))
@@ -63,7 +66,7 @@ def _prefill(graphdef, params, tokens_BS, *, cache_len: int, keep_queries: bool)
     B, S = tokens_BS.shape
     queries = jnp.zeros((cfg.num_layers, B, S, cfg.num_heads, cfg.head_dim), model.dtype) if keep_queries else None
     lse = jnp.zeros((cfg.num_layers, B, S, cfg.num_heads), jnp.float32) if keep_queries else None
-    _, (dense, queries, lse) = model(tokens_BS, None, _recording_backend,
+    _, (dense, queries, lse) = model(tokens_BS, None, record_queries,
                                      (DenseCache.init(cfg, B, cache_len, model.dtype), queries, lse))
     return dense, queries, lse
 

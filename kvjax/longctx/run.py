@@ -229,17 +229,18 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 if kind not in oracles:
                     if dense_new is None:      # resumed: the dense answers again (greedy, the same tokens)
                         dense_new = run_policy(None)
+                    new = _answers(dense_new, stops)
                     if cfg.prefill == "compressed":     # the shared prefill's context; the tail runs again
-                        tails = [q + a for (_, q), a in zip(parts, _answers(dense_new, stops))]
+                        tails = [q + a for (_, q), a in zip(parts, new)]
                         oracles[kind] = prefill_oracle_priorities(model, shared["pre"], tails, cfg.window, kind)
-                        return oracles[kind]
-                    full = [r + a for r, a in zip(ids, _answers(dense_new, stops))]
-                    T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
-                    seq = np.full((len(full), T), int(stops[0]), np.int32)
-                    for b, r in enumerate(full):
-                        seq[b, : len(r)] = r
-                    oracles[kind] = oracle_priorities(model, seq, cfg.window, kind,
-                                                      lengths_B=np.asarray([len(r) for r in full], np.int32))
+                    else:
+                        full = [r + a for r, a in zip(ids, new)]
+                        T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
+                        seq = np.full((len(full), T), int(stops[0]), np.int32)
+                        for b, r in enumerate(full):
+                            seq[b, : len(r)] = r
+                        oracles[kind] = oracle_priorities(model, seq, cfg.window, kind,
+                                                          lengths_B=np.asarray([len(r) for r in full], np.int32))
                 return oracles[kind]
 
             answer(lambda: None, "dense", 0.0)
