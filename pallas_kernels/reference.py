@@ -104,39 +104,42 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
                     lengths_B=None):
     """Per key ``t``, over the queries ``d >= t + w`` (of each row's ``lengths``), the log of the
     summed attention mass (``reduce="sum"``) or of the largest probability (``"max"``):
-    ``float32 [B, K, G, S]``, blockwise over queries (``lax.scan``), never forming ``S x S``.
-    ``lse``: the supervised pass's per-query log-sum-exp (``None``: dense causal)."""
+    ``float32 [B, K, G, S]``, blockwise over queries, never forming ``S x S``.
+    ``lse``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
+
+    Query block ``[s0, e)`` reaches only the keys ``t < e - w``, so it reads those alone (about
+    half of ``S x S`` over all blocks); a skipped logit would only have added ``-inf``, so the
+    result is the same as every block against every key."""
     B, S, H, D = q_BSHD.shape
     K = k_BSKD.shape[2]
     if H % K:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({K})")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     if lse_BSH is None:
         causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
         _, lse_BSH, _ = grouped_attention(q_BSHD, k_BSKD, k_BSKD, allowed=causal)
     G = H // K
-    nblk = -(-S // block)
-    pad = nblk * block - S
-    qg = jnp.pad(q_BSHD.reshape(B, S, K, G, D).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    lse_g = jnp.pad(lse_BSH.reshape(B, S, K, G).astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    qg = q_BSHD.reshape(B, S, K, G, D).astype(jnp.float32)
+    lse_g = lse_BSH.reshape(B, S, K, G).astype(jnp.float32)
     kf = k_BSKD.astype(jnp.float32)
-    t = jnp.arange(S)
     n = _valid_length(S, lengths_B)
-
-    def body(acc_BKGS, i):
-        d = i * block + jnp.arange(block)
-        qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)          # [B, C, K, G, D]
-        lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)       # [B, C, K, G]
-        logits = jnp.einsum("bckgd,btkd->bkgct", qb, kf) * D ** -0.5
-        logits = logits - jnp.transpose(lb, (0, 2, 3, 1))[..., None]
+    acc = jnp.full((B, K, G, S), -jnp.inf, jnp.float32)
+    for s0 in range(0, S, block):
+        e = min(S, s0 + block)
+        m = min(S, e - window)                                                   # keys this block reaches
+        if m <= 0:
+            continue
+        d, t = jnp.arange(s0, e), jnp.arange(m)
+        logits = jnp.einsum("bckgd,btkd->bkgct", qg[:, s0:e], kf[:, :m]) * D ** -0.5
+        logits = logits - jnp.transpose(lse_g[:, s0:e], (0, 2, 3, 1))[..., None]
         ok = (d[None, :, None] >= t[None, None, :] + window) & (d[None, :, None] < n[:, :, None])
         logits = jnp.where(ok[:, None, None], logits, -jnp.inf)
-        if reduce == "sum":
-            return jnp.logaddexp(acc_BKGS, jax.nn.logsumexp(logits, axis=3)), None
-        return jnp.maximum(acc_BKGS, jnp.max(logits, axis=3)), None
-
-    acc, _ = jax.lax.scan(body, jnp.full((B, K, G, S), -jnp.inf, jnp.float32), jnp.arange(nblk))
+        part = jax.nn.logsumexp(logits, axis=3) if reduce == "sum" else jnp.max(logits, axis=3)
+        merge = jnp.logaddexp if reduce == "sum" else jnp.maximum
+        acc = acc.at[..., :m].set(merge(acc[..., :m], part))
     return acc
 
 

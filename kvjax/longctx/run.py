@@ -136,6 +136,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.eviction.shared_prefill import answer as shared_answer
     from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
     from kvjax.export import config_hash
+    from kvjax.host_memory import release_free_memory
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
     from kvjax.sampling import bucket
@@ -178,7 +179,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             mask = np.zeros_like(tokens)
             for b, r in enumerate(ids):
                 tokens[b, : len(r)], mask[b, : len(r)] = r, 1
-            dense_new, oracles, shared = None, {}, {}
+            dense_new, oracles, shared = None, {}, {}      # the last batch's prefill and oracles are freed
+            release_free_memory()       # ... and their pages given back (glibc keeps them: 15.2 GB vs 7.5 GB at 4k)
 
             def stepwise(policy) -> bool:
                 """Bounded throughout, attention statistics feed the prompt token by token."""
