@@ -5,12 +5,10 @@ import sys
 
 import pytest
 
-from kvjax.host_memory import release_free_memory
-
 # 400 MB in 64 KiB chunks (below glibc's mmap threshold: they live in the heap), all freed but
 # the last, which pins the heap's top so that free() alone cannot shrink it.
 PROBE = """
-import ctypes, sys
+import ctypes
 from kvjax.host_memory import release_free_memory
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -37,10 +35,3 @@ def test_release_free_memory_returns_freed_heap_pages():
     assert ok
     assert before - after > 300, f"resident {before} MB before the trim, {after} MB after: not given back"
 
-
-def test_release_free_memory_keeps_live_data():
-    import numpy as np
-
-    x = np.arange(1 << 20, dtype=np.float64)
-    release_free_memory()
-    assert x.sum() == (1 << 20) * ((1 << 20) - 1) / 2
