@@ -91,7 +91,7 @@ def test_right_padded_rows_with_lengths_equal_each_row_alone(fn):
         assert np.isneginf(got[b, :, n - window:]).all()
 
 
-@pytest.mark.parametrize("segments", [1, 3, 8, 40])
+@pytest.mark.parametrize("segments", [1, 3, 40])
 @pytest.mark.parametrize("window", [1, 12])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 def test_future_log_mass_in_runs_equals_brute_force(segments, window, reduce):
@@ -112,10 +112,9 @@ def test_future_log_mass_in_runs_equals_brute_force(segments, window, reduce):
             lg = q[b, :, h].astype(np.float64) @ k[b, :, h // G].T.astype(np.float64) / np.sqrt(D)
             lg = np.where(np.tril(np.ones((S, S), bool)), lg, -np.inf)
             lp = lg - np.logaddexp.reduce(lg, axis=1, keepdims=True)               # causal log-probabilities
-            for t in range(S):
-                d = lp[t + window:lengths[b], t]
-                if d.size:
-                    want[b, h // G, h % G, t] = np.logaddexp.reduce(d) if reduce == "sum" else d.max()
+            d, t = np.arange(S)[:, None], np.arange(S)[None, :]
+            lp = np.where((d >= t + window) & (d < lengths[b]), lp, -np.inf)         # the queries that count
+            want[b, h // G, h % G] = np.logaddexp.reduce(lp, axis=0) if reduce == "sum" else lp.max(axis=0)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
     finite = np.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5)
