@@ -95,7 +95,7 @@ def test_right_padded_rows_with_lengths_equal_each_row_alone(fn):
 @pytest.mark.parametrize("window", [1, 12])
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 def test_future_log_mass_in_runs_equals_brute_force(segments, window, reduce):
-    """13 query blocks scanned in 5 or 13 runs, each run reading only the keys its queries reach,
+    """13 query blocks scanned in 3 runs (of 5, 5 and 3 blocks) or 13, each run reading only the keys its queries reach,
     give every key's log mass (or log peak) over queries d >= t + w of each row's length."""
     from pallas_kernels.reference import future_log_mass
 
