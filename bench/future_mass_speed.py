@@ -21,17 +21,19 @@ from pathlib import Path
 
 
 def _module_at(rev: str):
-    """``pallas_kernels/reference.py`` as it was at git revision ``rev``, imported apart."""
+    """``pallas_kernels/reference.py`` as it was at git revision ``rev``, loaded as its own module
+    (its imports of other ``pallas_kernels`` modules come from this checkout)."""
     root = Path(__file__).resolve().parents[1]
     src = subprocess.run(["git", "-C", str(root), "show", f"{rev}:pallas_kernels/reference.py"],
                          capture_output=True, text=True)
     if src.returncode:
         raise SystemExit(f"--against {rev}: {src.stderr.strip()}")
-    path = Path(tempfile.mkdtemp()) / "reference_at_rev.py"
-    path.write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location("reference_at_rev", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "reference_at_rev.py"
+        path.write_text(src.stdout)
+        spec = importlib.util.spec_from_file_location("reference_at_rev", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
     return mod
 
 

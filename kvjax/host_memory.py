@@ -1,4 +1,4 @@
-"""Giving freed host memory back to the system between the batches of a long run.
+"""Giving freed host memory back to the system during a long run.
 
 XLA on the CPU allocates its buffers with ``malloc``; glibc keeps the pages of freed chunks
 that sit below a live one, so a long run's resident memory creeps up with every batch of new
@@ -17,14 +17,16 @@ import functools
 
 @functools.cache
 def _malloc_trim():
-    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):
-        return None
+    """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl). Under an
+    allocator loaded with ``LD_PRELOAD`` (jemalloc, tcmalloc) the call is harmless and does nothing."""
+    for name in (None, ctypes.util.find_library("c")):     # None: the process's own symbols (Linux)
+        try:
+            trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError, TypeError):
+            continue
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return trim
+    return None
 
 
 def release_free_memory() -> bool:

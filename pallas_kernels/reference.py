@@ -108,8 +108,9 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
     ``lse``: the supervised pass's per-query log-sum-exp (``None``: dense causal).
 
     The query blocks are scanned in up to ``segments`` runs; a run whose last query is ``e - 1``
-    reads only the keys ``t < e - w`` (the later ones get ``-inf``), so 8 runs form 56% of the
-    ``S x S`` logits, not all, while each run keeps one block's arrays (a scan)."""
+    reads only the keys ``t < e - w`` (the later ones would get ``-inf``): with a block count that
+    is a multiple of 8, 8 runs form about 56% of the ``S x S`` logits, while each run keeps one
+    block's arrays (a scan)."""
     B, S, H, D = q_BSHD.shape
     K = k_BSKD.shape[2]
     if H % K:
@@ -118,6 +119,8 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
         raise ValueError(f"window must be >= 1, got {window}")
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+    if segments < 1:
+        raise ValueError(f"segments must be >= 1, got {segments}")
     if lse_BSH is None:
         causal = jnp.arange(S)[None, :] <= jnp.arange(S)[:, None]
         _, lse_BSH, _ = grouped_attention(q_BSHD, k_BSKD, k_BSKD, allowed=causal)
@@ -130,10 +133,10 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
     n = _valid_length(S, lengths_B)
     merge = jnp.logaddexp if reduce == "sum" else jnp.maximum
     acc = jnp.full((B, K, G, S), -jnp.inf, jnp.float32)
-    per_run = -(-nblk // max(1, segments))
+    per_run = max(1, -(-nblk // segments))
     for b0 in range(0, nblk, per_run):
         b1 = min(nblk, b0 + per_run)
-        m = min(S, b1 * block - window)                                          # keys this run's queries reach
+        m = min(S, b1 * block) - window                                          # keys this run's queries reach
         if m <= 0:
             continue
         t, km = jnp.arange(m), kf[:, :m]
