@@ -19,9 +19,9 @@ import functools
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None where the C library has none (macOS, musl). Under an
     allocator loaded with ``LD_PRELOAD`` (jemalloc, tcmalloc) the call is harmless and does nothing."""
-    for name in (None, ctypes.util.find_library("c")):     # None: the process's own symbols (Linux)
+    for name in (None, "c"):            # the process's own symbols (Linux), then the C library by name
         try:
-            trim = ctypes.CDLL(name).malloc_trim
+            trim = ctypes.CDLL(name if name is None else ctypes.util.find_library(name)).malloc_trim
         except (OSError, AttributeError, TypeError):
             continue
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

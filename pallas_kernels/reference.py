@@ -141,7 +141,7 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
             continue
         t, km = jnp.arange(m), kf[:, :m]
 
-        def body(acc_BKGM, i, t=t, km=km):
+        def body(acc_BKGM, i):                       # traced here, so it reads this run's t and km
             d = i * block + jnp.arange(block)
             qb = jax.lax.dynamic_slice_in_dim(qg, i * block, block, axis=1)      # [B, C, K, G, D]
             lb = jax.lax.dynamic_slice_in_dim(lse_g, i * block, block, axis=1)   # [B, C, K, G]
@@ -152,8 +152,8 @@ def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 2
             part = jax.nn.logsumexp(logits, axis=3) if reduce == "sum" else jnp.max(logits, axis=3)
             return merge(acc_BKGM, part), None
 
-        run, _ = jax.lax.scan(body, jnp.full((B, K, G, m), -jnp.inf, jnp.float32), jnp.arange(b0, b1))
-        acc = acc.at[..., :m].set(merge(acc[..., :m], run))
+        run, _ = jax.lax.scan(body, acc[..., :m], jnp.arange(b0, b1))          # continues the earlier runs
+        acc = acc.at[..., :m].set(run)
     return acc
 
 
