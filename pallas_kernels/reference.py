@@ -9,6 +9,8 @@ Layouts (the op API's): ``q [B, S, H, D]``, ``k, v [B, S, K, D]`` with ``H = G K
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -100,6 +102,7 @@ def _valid_length(S: int, lengths_B):
     return jnp.full((1, 1), S) if lengths_B is None else jnp.asarray(lengths_B)[:, None]
 
 
+@functools.partial(jax.jit, static_argnames=("window", "block", "reduce", "segments"))
 def future_log_mass(q_BSHD, k_BSKD, *, window: int, lse_BSH=None, block: int = 256, reduce: str = "sum",
                     lengths_B=None, segments: int = 8):
     """Per key ``t``, over the queries ``d >= t + w`` (of each row's ``lengths``), the log of the

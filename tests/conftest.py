@@ -51,7 +51,7 @@ INTEGRATION = (
     "longctx/test_longctx_run.py", "scorers/test_export.py", "eviction/test_chunked_prefill.py",
     "scorers/test_scorer_fit.py", "train/test_remat.py", "train/test_distill_lkv.py",
     "train/test_sharding.py", "eviction/test_eviction_state.py", "train/test_key_dropout.py",
-    "longctx/test_tasks.py", "evaluation/test_trace_retention.py",
+    "longctx/test_tasks.py", "evaluation/test_trace_retention.py", "project/test_shipped_teachers.py",
 )
 
 

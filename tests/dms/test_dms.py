@@ -40,6 +40,7 @@ def test_no_eviction_is_dense_and_full_eviction_is_sinks_plus_window(tiny):
     assert np.abs(np.asarray(want) - np.asarray(dense)).max() > 1e-2
 
 
+@pytest.mark.integration        # three training runs: make test, not the test-fast loop
 def test_training_raises_the_eviction_rate_and_resumes_exactly(tiny, tmp_path):
     rs = np.random.RandomState(1)
     data = [(rs.randint(3, 97, (2, 64)), np.ones((2, 64))) for _ in range(8)]
@@ -110,6 +111,7 @@ def test_kept_fractions_count_the_keep_decisions_and_the_ragged_memory(tiny):
     assert mem["max_slots"] == 60 and mem["fixed_over_ragged"] > 1
 
 
+@pytest.mark.integration        # a training run, an export and a measurement: make test, not the test-fast loop
 def test_run_dms_trains_exports_and_measures_the_ragged_memory(tiny, tmp_path):
     from kvjax.dms.train import run_dms
 

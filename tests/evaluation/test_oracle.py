@@ -60,7 +60,9 @@ def test_the_mean_oracle_is_each_layers_future_mass_under_plain_causal_attention
                                        err_msg=f"layer {layer}, row {b}")
 
 
-@pytest.mark.parametrize("kind", ["mean", "peak", "union"])
+@pytest.mark.parametrize("kind", [pytest.param("mean", marks=pytest.mark.integration),   # union (both reduces):
+                                  pytest.param("peak", marks=pytest.mark.integration),   # test-fast; all three:
+                                  "union"])                                              # make test
 def test_the_oracle_from_a_shared_prefill_equals_the_oracle_of_the_whole_rows(kind):
     """``prefill_oracle_priorities`` (the context's queries from the shared prefill, the tail run
     again) equals ``oracle_priorities`` on context + tail, at every slot: ragged rows, and a

@@ -21,6 +21,7 @@ def ctx():
     return BatchContext(model, b, budget_for(128, 0.75))
 
 
+@pytest.mark.integration        # an evaluation run on the testbed: make test, not the test-fast loop
 def test_a_variant_builds_its_base_policy_under_its_split(ctx):
     ev = ctx.ev                                                    # 4 sinks + 2 window + 26 top-k
     variants = {"l0_dense": {"policy": "oracle_peak", "budgets": "shares", "head_shares": [[100, 100], [1, 1]]},

@@ -35,6 +35,7 @@ def test_compare_counts_only_the_assistant_positions():
     assert n.tolist() == [6, 9] and agree.tolist() == [6, 9] and np.allclose(kl, 0, atol=1e-6)
 
 
+@pytest.mark.integration        # an evaluation run, stopped and resumed: make test, not the test-fast loop
 def test_records_equal_a_direct_computation_and_the_run_resumes(model, tmp_path):
     rs = np.random.RandomState(1)
     f = tmp_path / "t.jsonl"

@@ -145,6 +145,7 @@ def test_adakv_bounded_reallocates_at_the_layer_total(tiny):
     assert uneven                                # some head gave slots to another
 
 
+@pytest.mark.integration        # four generation compiles: make test, not the test-fast loop
 def test_budget_rules_compose_with_rankers_and_refuse_what_they_cannot_do(tiny):
     rows = [np.random.RandomState(6).randint(3, 97, 40).tolist()]
     dense = np.asarray(kvjax.generate(tiny, rows, 8, eos_token_id=[]))

@@ -16,8 +16,11 @@ def tiny(hf_dir):
     return kvjax.load_hf(hf_dir("llama-gqa")[0])
 
 
-@pytest.mark.parametrize("kind", ["mlp", "mlstm"])
-@pytest.mark.parametrize("ev", [EvictionConfig(2, 8, 6), EvictionConfig(0, 3, 12)])
+@pytest.mark.parametrize("ev, kind", [
+    (EvictionConfig(2, 8, 6), "mlstm"), (EvictionConfig(0, 3, 12), "mlp"),     # test-fast: each kind, each config
+    pytest.param(EvictionConfig(2, 8, 6), "mlp", marks=pytest.mark.integration),
+    pytest.param(EvictionConfig(0, 3, 12), "mlstm", marks=pytest.mark.integration),
+])
 def test_training_mask_equals_decode_cache(tiny, kind, ev):
     cfg = tiny.config
     sc = (MLPScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rngs=nnx.Rngs(1)) if kind == "mlp" else

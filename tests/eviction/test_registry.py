@@ -30,6 +30,7 @@ def _unregister_after():
     REGISTRY.pop("test_value_norm", None)      # later modules in this worker see the built-in set
 
 
+@pytest.mark.integration        # three generation compiles: make test, not the test-fast loop
 def test_a_registered_policy_runs_by_name_and_keeps_what_its_priority_says():
     model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
     prompts = [list(np.random.RandomState(0).randint(3, 97, 60))]

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = ("from kvjax.configio import cli_config\n"
          "from kvjax.longctx.run import LongCtxConfig\n"
          "import jax\n"
@@ -26,6 +28,7 @@ def test_default_is_the_kvjax_cache_folder_with_a_size_cap(tmp_path):
     assert int(cap) == 4 << 30
 
 
+@pytest.mark.integration        # three subprocesses: make test, not the test-fast loop
 def test_off_moved_and_the_users_own_setting(tmp_path):
     assert _probe(tmp_path, KVJAX_COMPILE_CACHE="off")[0] == "None"
     assert _probe(tmp_path, KVJAX_COMPILE_CACHE=str(tmp_path / "elsewhere"))[0] == str(tmp_path / "elsewhere")
