@@ -213,7 +213,7 @@ def transposed_target(q_BSHD, k_BSKD, lse_BSH, *, window: int, aggregate: str = 
         raise ValueError(f"q {q_BSHD.shape}, k {k_BSKD.shape} and lse {lse_BSH.shape} disagree")
     be = resolve_backend(backend)
     if be == "xla":
-        return reference.transposed_target(q_BSHD, k_BSKD, lse_BSH, window=window, aggregate=aggregate, eps=eps)
+        return reference.transposed_target(q_BSHD, k_BSKD, lse_BSH, window=int(window), aggregate=aggregate, eps=eps)
     _check_blocks(be, block_q, block_k, D)
     step = int(np.lcm(block_q, block_k))
     Sp = -(-S // step) * step

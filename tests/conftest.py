@@ -51,8 +51,16 @@ INTEGRATION = (
     "longctx/test_longctx_run.py", "scorers/test_export.py", "eviction/test_chunked_prefill.py",
     "scorers/test_scorer_fit.py", "train/test_remat.py", "train/test_distill_lkv.py",
     "train/test_sharding.py", "eviction/test_eviction_state.py", "train/test_key_dropout.py",
-    "longctx/test_tasks.py", "evaluation/test_trace_retention.py", "project/test_shipped_teachers.py",
+    "project/test_shipped_teachers.py", "longctx/test_tasks.py", "evaluation/test_trace_retention.py",
 )
+# The heaviest files of the test-fast set, heaviest first, scheduled next for the same reason: left
+# in collection order, train/test_targets.py (about 45 s) came last and ran alone at the end.
+HEAVY_FAST = (
+    "eviction/test_lkv_policies.py", "train/test_targets.py", "scorers/test_lkv.py", "scorers/test_scorers.py",
+    "eviction/test_fenwick_keep_rule.py", "evaluation/test_oracle.py", "eviction/test_statistic_rows.py",
+    "duo/test_duo.py", "dms/test_dms.py", "eviction/test_learned_policies.py", "eviction/test_budgets.py",
+)
+ORDER = INTEGRATION + HEAVY_FAST
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
         rel = os.path.relpath(str(item.fspath), here).replace(os.sep, "/")
         if rel in INTEGRATION:
             item.add_marker(pytest.mark.integration)
-        rank[item] = INTEGRATION.index(rel) if rel in INTEGRATION else len(INTEGRATION)
+        rank[item] = ORDER.index(rel) if rel in ORDER else len(ORDER)
     items.sort(key=rank.__getitem__)       # stable: a file's own tests keep their order
 
 

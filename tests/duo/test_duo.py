@@ -39,6 +39,7 @@ def test_gates_one_are_full_attention_and_gates_zero_streaming(tiny):
     assert np.abs(np.asarray(got) - np.asarray(dense)).max() > 1e-2          # streaming really differs
 
 
+@pytest.mark.integration        # training runs, stopped and resumed: make test, not the test-fast loop
 def test_training_lowers_unneeded_gates_and_resumes_exactly(tiny, tmp_path):
     rs = np.random.RandomState(1)
     data = [(rs.randint(3, 97, (1, 64)), np.r_[np.zeros(48), np.ones(16)][None]) for _ in range(6)]
@@ -94,6 +95,7 @@ def test_passkey_sequences_end_with_the_keys_they_hide():
         passkey_sequence(tok, 100, 0)
 
 
+@pytest.mark.integration        # a training and evaluation run: make test, not the test-fast loop
 def test_run_duo_on_the_testbed_and_the_evaluations_cap(tmp_path):
     """``testbed:`` trains the gates on testbed problems (the lookups and the answer line in the
     loss); the evaluations' ``rebudget`` gives retrieval heads the whole context as their cap."""

@@ -145,8 +145,8 @@ def test_adakv_bounded_reallocates_at_the_layer_total(tiny):
     assert uneven                                # some head gave slots to another
 
 
-@pytest.mark.integration        # four generation compiles: make test, not the test-fast loop
-def test_budget_rules_compose_with_rankers_and_refuse_what_they_cannot_do(tiny):
+@pytest.mark.integration        # three generation compiles: make test, not the test-fast loop
+def test_budget_rules_compose_with_rankers_under_prompt_compression(tiny):
     rows = [np.random.RandomState(6).randint(3, 97, 40).tolist()]
     dense = np.asarray(kvjax.generate(tiny, rows, 8, eos_token_id=[]))
     knorm_ada = make_policy("knorm", EvictionConfig(sinks=2, window=4, topk=60, budgets="adakv"))
@@ -154,6 +154,11 @@ def test_budget_rules_compose_with_rankers_and_refuse_what_they_cannot_do(tiny):
     np.testing.assert_array_equal(np.asarray(kvjax.generate(tiny, rows, 8, policy=pol, eos_token_id=[])), dense)
     small = prompt_compressed(knorm_ada, 0.75, [36])
     assert (np.asarray(kvjax.generate(tiny, rows, 8, policy=small, eos_token_id=[])) != dense).any()
+
+
+def test_budget_rules_refuse_what_they_cannot_do(tiny):
+    rows = [np.random.RandomState(6).randint(3, 97, 40).tolist()]
+    knorm_ada = make_policy("knorm", EvictionConfig(sinks=2, window=4, topk=60, budgets="adakv"))
     with pytest.raises(ValueError, match="Ada-KV budgets follow attention scores"):
         kvjax.generate(tiny, rows, 8, policy=knorm_ada, eos_token_id=[])
     snap_pyramid = make_policy("snapkv", EvictionConfig(sinks=2, window=4, topk=6, k_max=12, budgets="pyramid"))

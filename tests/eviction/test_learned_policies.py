@@ -20,7 +20,7 @@ def tiny(hf_dir):
     (EvictionConfig(2, 8, 6), "mlstm"), (EvictionConfig(0, 3, 12), "mlp"),     # test-fast: each kind, each config
     pytest.param(EvictionConfig(2, 8, 6), "mlp", marks=pytest.mark.integration),
     pytest.param(EvictionConfig(0, 3, 12), "mlstm", marks=pytest.mark.integration),
-])
+], ids=["sinks-mlstm", "nosinks-mlp", "sinks-mlp", "nosinks-mlstm"])
 def test_training_mask_equals_decode_cache(tiny, kind, ev):
     cfg = tiny.config
     sc = (MLPScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, rngs=nnx.Rngs(1)) if kind == "mlp" else

@@ -41,7 +41,7 @@ def _random_lkv(cfg, ev, budgets, seed=0):
                tokens_def=tdef)
 
 
-@pytest.mark.parametrize("combo", [False, pytest.param(True, marks=pytest.mark.integration)])   # True: make test
+@pytest.mark.parametrize("combo", [False, True])
 def test_sparse_pass_equals_stepwise_decode_with_per_head_budgets(tiny, combo):
     """Train = decode with unequal budgets: head (l, h) keeps b_lh long-range tokens in both paths."""
     cfg = tiny.config
