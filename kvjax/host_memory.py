@@ -22,7 +22,7 @@ def _malloc_trim():
     for name in (None, "c"):            # the process's own symbols (Linux), then the C library by name
         try:
             trim = ctypes.CDLL(name if name is None else ctypes.util.find_library(name)).malloc_trim
-        except (OSError, AttributeError, TypeError):
+        except (OSError, AttributeError):
             continue
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
         return trim

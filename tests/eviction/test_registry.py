@@ -30,18 +30,24 @@ def _unregister_after():
     REGISTRY.pop("test_value_norm", None)      # later modules in this worker see the built-in set
 
 
+PROMPTS = [list(np.random.RandomState(0).randint(3, 97, 60))]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvjax.Decoder(kvjax.ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
+
+
 @pytest.mark.integration        # two generation compiles: make test, not the test-fast loop
-def test_a_registered_policy_generates_by_name():
-    model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
-    prompts = [list(np.random.RandomState(0).randint(3, 97, 60))]
+def test_a_registered_policy_generates_by_name(model):
+    prompts = PROMPTS
     dense = np.asarray(kvjax.generate(model, prompts, 8, eos_token_id=[]))
     full = kvjax.make_policy("test_value_norm", kvjax.EvictionConfig(2, 8, 64))
     np.testing.assert_array_equal(np.asarray(kvjax.generate(model, prompts, 8, policy=full, eos_token_id=[])), dense)
 
 
-def test_a_registered_policy_keeps_what_its_priority_says():
-    model = kvjax.Decoder(kvjax.ModelConfig.from_hf_config(CFG), rngs=nnx.Rngs(0))
-    prompts = [list(np.random.RandomState(0).randint(3, 97, 60))]
+def test_a_registered_policy_keeps_what_its_priority_says(model):
+    prompts = PROMPTS
     from kvjax.evaluation.retention import kept_positions
 
     tokens = np.asarray(prompts, np.int32)
