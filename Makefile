@@ -72,20 +72,29 @@ longctx: real-model
 	$(PY) -m kvjax.longctx --config $(LONGCTX)
 
 # kvpress 0.5.5's presses on the same tokenized problems, in its own venv (kvpress pins another
-# transformers): question-agnostic, the context compressed once; not part of make test.
+# transformers): question-agnostic, the context compressed once; not part of make test. By default
+# it resumes the committed comparison (32 problems of each task dense solves at 1k, every press at
+# 75% and 88%; about 80 min on 2 cores from scratch) and prints kvjax's rows beside kvpress's. The
+# quick slice: make kvpress-compare LONGCTX=configs/longctx-smollm2-quick.yaml KVPRESS_SET=
+#   KVPRESS_OUT=runs/kvpress-quick KVJAX_STORE=runs/longctx/smollm2-quick
 KVPRESS_VENV := .venv-kvpress
 KVPRESS_PRESSES ?= none streaming_llm snapkv tova knorm pyramidkv adakv_snapkv keydiff expected_attention
 KVPRESS_COMPRESSIONS ?= 0.75 0.88
+KVPRESS_SET ?= --set "lengths=[1024]" --set problems=32 --set "tasks=[niah_noise, niah_text, niah_multikey]"
+KVPRESS_OUT ?= results/kvpress/smollm2-1k
+KVJAX_STORE ?= results/longctx/smollm2-compressed
 $(KVPRESS_VENV)/.installed: bench/kvpress_venv.sh
 	bash bench/kvpress_venv.sh
 	touch $@
 
 kvpress-compare: $(KVPRESS_VENV)/.installed real-model
-	$(PY) -m kvjax.longctx --config $(LONGCTX) --export-problems runs/kvpress-compare/problems.jsonl
+	$(PY) -m kvjax.longctx --config $(LONGCTX) $(KVPRESS_SET) --export-problems runs/kvpress-compare/problems.jsonl
 	$(KVPRESS_VENV)/bin/python bench/kvpress_compare.py --problems runs/kvpress-compare/problems.jsonl \
 		--model $$($(PY) -c "from kvjax.real_model import default_model_dir as d; print(d())") \
 		--presses $(KVPRESS_PRESSES) --compressions $(KVPRESS_COMPRESSIONS) --max-new 32 \
-		--window 32 --kernel 7 --sinks 4 --out runs/kvpress-compare
+		--window 32 --kernel 7 --sinks 4 --out $(KVPRESS_OUT)
+	$(PY) bench/kvpress_side_by_side.py --kvjax $(KVJAX_STORE) --kvpress $(KVPRESS_OUT) \
+		--out $(KVPRESS_OUT)/side_by_side.md
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

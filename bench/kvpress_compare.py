@@ -352,7 +352,8 @@ def main(argv=None) -> None:
     if any(p in ("streaming_llm", "expected_attention") for p in presses) and shortest <= args.sinks:
         die(f"a context has {shortest} tokens, not more than --sinks {args.sinks}")
 
-    settings = {"model": str(model_dir.resolve()), "max_new": args.max_new, "window": args.window,
+    # the model by its folder's name, not its path: a store committed on one machine resumes on another
+    settings = {"model": model_dir.resolve().name, "max_new": args.max_new, "window": args.window,
                 "kernel": args.kernel, "sinks": args.sinks}
     args.out.mkdir(parents=True, exist_ok=True)
     rec_path = args.out / "records.jsonl"

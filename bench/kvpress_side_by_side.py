@@ -7,7 +7,9 @@
 setting); ``--kvpress``: a ``bench/kvpress_compare.py`` folder over the problems that run
 exported (``--export-problems``). For every method both ran (dense = kvpress's ``none``) and
 every compression: each side's mean score with its standard error over the problems both
-answered, how many answers are the same text, and how many problems score the same.
+answered, how many answers are the same text, and how many problems score the same. Then every
+kvjax policy and every kvpress press (those without a counterpart too, e.g. KeyDiff and
+ExpectedAttention) in one table, over the problems that every row answered at every compression.
 """
 
 from __future__ import annotations
@@ -56,13 +58,60 @@ def side_by_side(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
+    """kvjax's policies, then kvpress's presses, one row each, one column per compression (dense and
+    kvpress's ``none`` in every column), over the problems every row holds at every compression."""
+    ours = {(r["policy"], round(r["compression"], 4), f"{r['length']}/{r['task']}/{r['index']}"): r["score"]
+            for r in kvjax_records}
+    theirs = {(r["press"], round(r["compression"], 4), r["id"]): r["score"] for r in kvpress_records}
+    comps = sorted({c for (_, c, _) in list(ours) + list(theirs) if c > 0})
+    rows = [("kvjax", p, ours, 0.0 if p == "dense" else None) for p in dict.fromkeys(k[0] for k in ours)]
+    rows += [("kvpress", p, theirs, 0.0 if p == "none" else None) for p in dict.fromkeys(k[0] for k in theirs)]
+
+    def ids(side, name, fixed, comp):
+        return {i for (n, c, i) in side if n == name and c == (comp if fixed is None else fixed)}
+
+    common = None
+    for _, name, side, fixed in rows:
+        for comp in comps:
+            common = ids(side, name, fixed, comp) if common is None else common & ids(side, name, fixed, comp)
+    common = sorted(common or ())
+    if not common:
+        return "no problem is answered by every kvjax policy and every kvpress press"
+    tasks = sorted({i.rsplit("/", 1)[0] for i in common})
+    out = [f"{len(common)} problems ({', '.join(f'{t}: {sum(i.startswith(t + chr(47)) for i in common)}' for t in tasks)}); "
+           "mean score ± SE; dense and kvpress's `none` evict nothing",
+           "", "| library | policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |",
+           "|---|---|" + "---|" * len(comps)]
+    scores = {(lib, name, comp): [side[(name, comp if fixed is None else fixed, i)] for i in common]
+              for lib, name, side, fixed in rows for comp in comps}
+    for lib, name, _, _ in rows:
+        out.append(f"| {lib} | {name} | " + " | ".join(_mean_se(scores[(lib, name, c)]) for c in comps) + " |")
+    out.append("")
+    for comp in comps:                 # each library's best evicting row, and their gap paired by problem
+        best = {lib: max((k for k in scores if k[0] == lib and k[2] == comp and k[1] not in ("dense", "none")),
+                         key=lambda k: sum(scores[k]))
+                for lib in ("kvjax", "kvpress") if any(k[0] == lib for k in scores)}
+        if len(best) < 2:
+            continue
+        a, b = scores[best["kvjax"]], scores[best["kvpress"]]
+        d = [x - y for x, y in zip(a, b)]
+        m = sum(d) / len(d)
+        se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
+        out.append(f"At {comp:.0%}: kvjax's best, {best['kvjax'][1]}, minus kvpress's best, "
+                   f"{best['kvpress'][1]}: {100 * m:+.1f} ± {100 * se:.1f} points (paired by problem).")
+    return "\n".join(out)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kvjax", type=Path, required=True, help="python -m kvjax.longctx output folder")
     ap.add_argument("--kvpress", type=Path, required=True, help="bench/kvpress_compare.py output folder")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
-    md = side_by_side(_read(args.kvjax / "problems.jsonl"), _read(args.kvpress / "records.jsonl"))
+    ours, theirs = _read(args.kvjax / "problems.jsonl"), _read(args.kvpress / "records.jsonl")
+    md = (side_by_side(ours, theirs) + "\n\n**Every kvjax policy and every kvpress press**\n\n"
+          + every_row(ours, theirs))
     if args.out:
         args.out.write_text(md + "\n")
     print(md)

@@ -1,0 +1,67 @@
+"""``bench/kvpress_side_by_side.py``: kvjax's store and kvpress's records joined on the same problem
+ids; the every-row table covers only the problems that every row answered at every compression."""
+
+import importlib.util
+import os
+
+from paths import ROOT
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("kvpress_side_by_side",
+                                                  os.path.join(ROOT, "bench", "kvpress_side_by_side.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _ours(policy, comp, index, score, answer="x"):
+    return {"policy": policy, "compression": comp, "length": 1024, "task": "niah_noise", "index": index,
+            "score": score, "answer": answer}
+
+
+def _theirs(press, comp, index, score, output="x"):
+    return {"press": press, "compression": comp, "id": f"1024/niah_noise/{index}", "score": score,
+            "output": output}
+
+
+def _records():
+    ours, theirs = [], []
+    for i in range(3):
+        ours += [_ours("dense", 0.0, i, 1.0), _ours("snapkv", 0.75, i, float(i == 0), answer=f"a{i}"),
+                 _ours("snapkv", 0.88, i, 0.0)]
+        theirs += [_theirs("none", 0.0, i, 1.0), _theirs("snapkv", 0.75, i, float(i < 2), output=f"a{i}")]
+        if i < 2:                                         # keydiff never ran problem 2 at 88%
+            theirs += [_theirs("keydiff", 0.75, i, 0.5), _theirs("keydiff", 0.88, i, 0.0)]
+        theirs.append(_theirs("snapkv", 0.88, i, 0.0))
+    return ours, theirs
+
+
+def test_same_method_rows_count_equal_texts_and_scores():
+    ours, theirs = _records()
+    table = _bench().side_by_side(ours, theirs)
+    row = next(line for line in table.splitlines() if line.startswith("| snapkv | 75%"))
+    # kvjax scores 1/3, kvpress 2/3; texts a0 a1 a2 equal on all three; scores equal on problems 0 and 2
+    assert row.split(" | ")[2:] == ["3", "33.3% ± 33.3%", "66.7% ± 33.3%", "3/3", "2/3 |"]
+    assert "keydiff" not in table                        # no kvjax counterpart: not in the matched table
+
+
+def test_every_row_table_keeps_only_problems_every_row_answered():
+    ours, theirs = _records()
+    table = _bench().every_row(ours, theirs)
+    assert table.splitlines()[0].startswith("2 problems (1024/niah_noise: 2)")
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in table.splitlines()
+            if line.startswith("| kv")}
+    assert list(rows) == [("kvjax", "dense"), ("kvjax", "snapkv"), ("kvpress", "none"), ("kvpress", "snapkv"),
+                          ("kvpress", "keydiff")]
+    assert rows[("kvjax", "dense")].endswith("| 100.0% ± 0.0% | 100.0% ± 0.0% |")   # dense in every column
+    assert rows[("kvjax", "snapkv")].endswith("| 50.0% ± 50.0% | 0.0% ± 0.0% |")
+    assert rows[("kvpress", "keydiff")].endswith("| 50.0% ± 0.0% | 0.0% ± 0.0% |")
+    # each library's best evicting row at 75% (snapkv: 1/2 here, 2/2 in kvpress), paired by problem
+    assert "At 75%: kvjax's best, snapkv, minus kvpress's best, snapkv: -50.0 ± 50.0 points" in table
+
+
+def test_every_row_table_says_when_no_problem_is_shared():
+    ours, theirs = _records()
+    theirs = [dict(r, id="2048/qa/0") for r in theirs]
+    assert _bench().every_row(ours, theirs).startswith("no problem is answered")
