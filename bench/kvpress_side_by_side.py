@@ -15,6 +15,7 @@ ExpectedAttention) in one table, over the problems that every row answered at ev
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import sys
@@ -30,18 +31,28 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _mean_se(x: list[float]) -> str:
+def _mean_and_se(x: list[float]) -> tuple[float, float]:
     m = sum(x) / len(x)
     if len(x) < 2:
-        return f"{m:.1%}"
-    sd = math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1))
-    return f"{m:.1%} ± {sd / math.sqrt(len(x)):.1%}"
+        return m, float("nan")
+    return m, math.sqrt(sum((v - m) ** 2 for v in x) / (len(x) - 1) / len(x))
 
 
-def side_by_side(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
+def _mean_se(x: list[float]) -> str:
+    m, se = _mean_and_se(x)
+    return f"{m:.1%}" if len(x) < 2 else f"{m:.1%} ± {se:.1%}"
+
+
+def _keyed(kvjax_records: list[dict], kvpress_records: list[dict]) -> tuple[dict, dict]:
+    """Both sides' records by ``(policy or press, compression, problem id)``."""
     ours = {(r["policy"], round(r["compression"], 4), f"{r['length']}/{r['task']}/{r['index']}"): r
             for r in kvjax_records}
     theirs = {(r["press"], round(r["compression"], 4), r["id"]): r for r in kvpress_records}
+    return ours, theirs
+
+
+def side_by_side(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
+    ours, theirs = _keyed(kvjax_records, kvpress_records)
     rows = ["| method | compression | problems | kvjax | kvpress | same answer text | same score |",
             "|---|---|---|---|---|---|---|"]
     for policy, press in SAME_METHOD.items():
@@ -61,30 +72,23 @@ def side_by_side(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
 def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
     """kvjax's policies, then kvpress's presses, one row each, one column per compression (dense and
     kvpress's ``none`` in every column), over the problems every row holds at every compression."""
-    ours = {(r["policy"], round(r["compression"], 4), f"{r['length']}/{r['task']}/{r['index']}"): r["score"]
-            for r in kvjax_records}
-    theirs = {(r["press"], round(r["compression"], 4), r["id"]): r["score"] for r in kvpress_records}
+    ours, theirs = _keyed(kvjax_records, kvpress_records)
     comps = sorted({c for (_, c, _) in list(ours) + list(theirs) if c > 0})
-    rows = [("kvjax", p, ours, 0.0 if p == "dense" else None) for p in dict.fromkeys(k[0] for k in ours)]
-    rows += [("kvpress", p, theirs, 0.0 if p == "none" else None) for p in dict.fromkeys(k[0] for k in theirs)]
-
-    def ids(side, name, fixed, comp):
-        return {i for (n, c, i) in side if n == name and c == (comp if fixed is None else fixed)}
-
-    common = None
-    for _, name, side, fixed in rows:
-        for comp in comps:
-            common = ids(side, name, fixed, comp) if common is None else common & ids(side, name, fixed, comp)
-    common = sorted(common or ())
+    rows = [("kvjax", p, ours, "dense") for p in dict.fromkeys(k[0] for k in ours)]
+    rows += [("kvpress", p, theirs, "none") for p in dict.fromkeys(k[0] for k in theirs)]
+    # dense and kvpress's `none` are stored at compression 0 and fill every column
+    at = {(lib, name, comp): 0.0 if name == dense else comp for lib, name, _, dense in rows for comp in comps}
+    common = sorted(set.intersection(*({i for (n, c, i) in side if n == name and c == at[(lib, name, comp)]}
+                                       for lib, name, side, _ in rows for comp in comps)) if rows and comps else ())
     if not common:
         return "no problem is answered by every kvjax policy and every kvpress press"
-    tasks = sorted({i.rsplit("/", 1)[0] for i in common})
-    out = [f"{len(common)} problems ({', '.join(f'{t}: {sum(i.startswith(t + chr(47)) for i in common)}' for t in tasks)}); "
+    per_task = collections.Counter(i.rsplit("/", 1)[0] for i in common)
+    out = [f"{len(common)} problems ({', '.join(f'{t}: {n}' for t, n in sorted(per_task.items()))}); "
            "mean score ± SE; dense and kvpress's `none` evict nothing",
            "", "| library | policy | " + " | ".join(f"{c:.0%}" for c in comps) + " |",
            "|---|---|" + "---|" * len(comps)]
-    scores = {(lib, name, comp): [side[(name, comp if fixed is None else fixed, i)] for i in common]
-              for lib, name, side, fixed in rows for comp in comps}
+    scores = {(lib, name, comp): [side[(name, at[(lib, name, comp)], i)]["score"] for i in common]
+              for lib, name, side, _ in rows for comp in comps}
     for lib, name, _, _ in rows:
         out.append(f"| {lib} | {name} | " + " | ".join(_mean_se(scores[(lib, name, c)]) for c in comps) + " |")
     out.append("")
@@ -94,10 +98,7 @@ def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
                 for lib in ("kvjax", "kvpress") if any(k[0] == lib for k in scores)}
         if len(best) < 2:
             continue
-        a, b = scores[best["kvjax"]], scores[best["kvpress"]]
-        d = [x - y for x, y in zip(a, b)]
-        m = sum(d) / len(d)
-        se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
+        m, se = _mean_and_se([x - y for x, y in zip(scores[best["kvjax"]], scores[best["kvpress"]])])
         out.append(f"At {comp:.0%}: kvjax's best, {best['kvjax'][1]}, minus kvpress's best, "
                    f"{best['kvpress'][1]}: {100 * m:+.1f} ± {100 * se:.1f} points (paired by problem).")
     return "\n".join(out)
