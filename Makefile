@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast demo teacher teacher-long quality quality-long real-model traces features scorers lkv fidelity retention longctx \
+.PHONY: install test test-fast test-latest demo teacher teacher-long quality quality-long real-model traces features scorers lkv fidelity retention longctx \
 	kvpress-compare
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -99,6 +99,18 @@ kvpress-compare: $(KVPRESS_VENV)/.installed real-model
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not integration"
+
+# The same tests under the newest releases pyproject.toml's ranges allow (no constraints.txt), in
+# their own venv (.venv-latest, upgraded on every run): a new release that breaks kvjax, or a
+# dependency a new release adds (transformers 5.25's `kernels`), shows here before a user meets it.
+# tests/project/test_dependency_ranges.py checks (without installing) that the ranges resolve.
+LATEST_VENV := .venv-latest
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || python3 -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager $(PIP_FLAGS) -e '.[test,real]'
+	$(LATEST_VENV)/bin/python -m pip list --format freeze | grep -iE '^(jax|jaxlib|flax|optax|transformers|tokenizers|torch|numpy)=='
+	$(LATEST_VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow and not integration"
 
 demo: install
 	$(PY) -m kvjax.demo

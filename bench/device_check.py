@@ -13,7 +13,7 @@ section runs), so one broken kernel does not cost the other figures:
   ``sparse_decode`` on the platform's kernels against their XLA references, fp32 and bf16,
   at S = 4096, with the interpret-mode tests' tolerances;
 - ``kernels``: each op against its XLA reference at S = 4k, 16k, 64k, budget 2048 (medians;
-  ``OOM`` recorded, not raised) -- ``bench/kernels.py``;
+  ``OOM`` recorded, not raised) -- ``bench/kernel_speed.py``;
 - ``decode``: Qwen3-8B shapes, random bf16 weights, batch 1: dense vs KVpop's bounded cache
   (budget 4096 per KV head) at 8k, 32k and 131k context, ms/token and peak device memory
   (the KVpop seed's Figure 4);
@@ -146,7 +146,7 @@ def section_correctness(smoke: bool) -> dict:
 
 
 def section_kernels(smoke: bool) -> dict:
-    import kernels as kbench
+    import kernel_speed as kbench
 
     backend, interpret = _kernel_backend(smoke)
     lengths = [256, 512] if smoke else [4096, 16384, 65536]
@@ -285,7 +285,7 @@ def markdown(report: dict) -> str:
             lines += [f"| {c['dtype']} | {c['check']} | {c['max_abs_err']:.2e} | {c['tol']:.0e} | {c['ok']} |"
                       for c in sec["checks"]]
         elif name == "kernels":
-            import kernels as kbench
+            import kernel_speed as kbench
 
             ok = [r for r in sec["rows"] if "error" not in r]
             lines.append(kbench.markdown(ok, env.get("device_kind"), sec["backend"]) if ok else "")

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import transformers
 
     import kvjax
-    from kvjax.evaluation.budgets import fixed_window_budget, rebudget
+    from kvjax.evaluation.budgets import fixed_window_budget
     from kvjax.evaluation.retention import kept_positions, positions_to_mask
     from kvjax.eviction.policies import make_policy
     from kvjax.eviction.prompt_compressed import prompt_compressed
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     policies = {name: make_policy(name, ev) for name in args.policies}
     for item in args.learned:
         label, _, path = item.partition("=")
-        policies[label] = rebudget(kvjax.load_scorers(path, model=model), ev)
+        policies[label] = kvjax.load_scorers(path, model=model).at_budget(ev)
     if args.prefill == "compressed":
         pre = prefill_context(model, contexts, cache_len=bucket(max(map(len, rows))), keep_queries=True)
         base = 1.0 - args.compression

@@ -1,5 +1,13 @@
 """Typed YAML configs: nested dataclasses from dicts, ``--set a.b=value`` overrides,
-and errors that name the unknown or mistyped key by its dotted path."""
+and errors that name the unknown or mistyped key by its dotted path.
+
+Relative paths in a config file (string values with a ``/``, e.g. ``assets/testbed-teacher``) are
+taken from the current directory; one that does not exist there but does under the config's
+*root* -- the folder holding its ``configs/`` folder (the repository), or the config's own folder
+when that is not named ``configs`` -- is taken from the root instead, so a shipped config works
+from any directory. Paths that exist nowhere yet (a new ``out_dir``) stay relative to the current
+directory, and ``--set`` values are taken as typed.
+"""
 
 from __future__ import annotations
 
@@ -136,8 +144,46 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     return data
 
 
+def config_root(path: str | Path) -> Path:
+    """The folder a config file's relative paths may be taken from: the parent of its ``configs/``
+    folder (the repository root for ``configs/X.yaml``), else the config's own folder."""
+    folder = Path(path).resolve().parent
+    return folder.parent if folder.name == "configs" else folder
+
+
+def resolve_paths(data, root: Path, cwd: Path | None = None):
+    """``data`` with each relative path string (one with a ``/``) that does not exist under ``cwd``
+    (default: the current directory) but does under ``root`` replaced by its path under ``root``."""
+    cwd = Path.cwd() if cwd is None else Path(cwd)
+    if isinstance(data, dict):
+        return {k: resolve_paths(v, root, cwd) for k, v in data.items()}
+    if isinstance(data, list):
+        return [resolve_paths(v, root, cwd) for v in data]
+    if (isinstance(data, str) and "/" in data and "\n" not in data and "://" not in data
+            and not data.startswith(("/", "~")) and root.resolve() != cwd.resolve()):
+        try:
+            if not (cwd / data).exists() and (root / data).exists():
+                return str(root / data)
+        except OSError:             # a name too long for a path, ...: not a path
+            pass
+    return data
+
+
+def path_hint(config_path) -> str:
+    """The sentence an error about a missing file adds: where relative paths were looked for."""
+    here = Path.cwd()
+    if config_path is None:
+        return f" (relative paths are taken from the current directory, {here})"
+    root = config_root(config_path)
+    if root.resolve() == here.resolve():
+        return f" (relative paths are taken from the current directory, {here})"
+    return (f" (a relative path in {config_path} is taken from the current directory, {here}, or, when it is "
+            f"not there, from {root}; --set paths from the current directory)")
+
+
 def load_config(cls, path: str | Path | None, overrides: Sequence[str] = ()):
-    """YAML file (optional) + overrides -> dataclass ``cls``."""
+    """YAML file (optional) + overrides -> dataclass ``cls``. The file's relative paths follow the
+    module's rule (:func:`resolve_paths` against :func:`config_root`)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -147,6 +193,7 @@ def load_config(cls, path: str | Path | None, overrides: Sequence[str] = ()):
             data = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        data = resolve_paths(data, config_root(p))
     return from_dict(cls, apply_overrides(data, overrides))
 
 
@@ -191,16 +238,22 @@ def describe_keys(cls, prefix: str = "") -> list[tuple[str, str, str]]:
     return rows
 
 
-def cli_config(cls, prog: str, doc: str, argv=None, extra=None):
+def cli_config(cls, prog: str, doc: str, argv=None, extra=None, *, set_example: str | None = None,
+               examples: tuple[str, ...] = ()):
     """Parse ``--config FILE`` and ``--set key=value`` (plus ``extra(parser)`` flags) into
-    ``(config of type cls, args)``; a bad config prints ``prog: message`` and exits with 2."""
+    ``(config of type cls, args)``; a bad config prints ``prog: message`` and exits with 2.
+    ``--help`` shows ``--set {set_example}`` (a key of ``cls``) and ``examples``, working
+    command lines, at its end."""
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    epilog = "\n".join(["examples:", *(f"  {c}" for c in examples)]) if examples else None
+    ap = argparse.ArgumentParser(prog=prog, description=doc, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config file")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config key (dotted path), e.g. --set optim.lr=1e-3")
+                    help="override a config key (dotted path; --list-keys shows them)"
+                         + (f", e.g. --set {set_example}" if set_example else ""))
     ap.add_argument("--list-keys", action="store_true", help="print every config key with its default and meaning")
     if extra is not None:
         extra(ap)

@@ -148,17 +148,70 @@ def write_scorer_files(out_dir, tensors: dict, meta: dict) -> Path:
     return out
 
 
-def load_scorers(directory, model=None):
+def load_scorers(directory, model=None, *, compression=..., config: EvictionConfig | None = None):
     """The learned policy stored by :func:`export_scorers`, ready for ``kvjax.generate``.
 
-    The policy remembers the layers, KV heads, head_dim and config hash of the model its
-    scorers were exported for: ``generate`` (and ``model=`` here) refuses a model of other
-    shapes and warns when only the hash differs.
+    Its budget, one of:
+
+    - ``compression`` (default :data:`~kvjax.eviction.config.DEFAULT_COMPRESSION`, 0.75): the
+      share of the prompt evicted, resolved at the prompt's length by ``generate`` and
+      ``TextGenerator``, with the exported sinks and window;
+    - ``config``: a fixed budget per KV head (``policy.at_budget(config)``);
+    - ``compression=None``: the budget it was exported with (refused for an export without a
+      long-range budget, ``topk`` 0, as DMS decisions and DuoAttention gates are written).
+
+    Learned per-head budgets (LKV-H) keep their split at any budget, rescaled. The policy
+    remembers the layers, KV heads, head_dim and config hash of the model its scorers were
+    exported for: ``generate`` (and ``model=`` here) refuses a model of other shapes and warns
+    when only the hash differs.
     """
+    from kvjax.eviction.config import DEFAULT_COMPRESSION
+
+    if config is not None and compression is not ... and compression is not None:
+        raise ValueError("load_scorers: give compression= or config=, not both")
     policy = _load_scorers(directory)
     if model is not None:
         policy.check_model(getattr(model, "config", model))
-    return policy
+    if config is not None:
+        return policy.at_budget(config)
+    if compression is None:
+        if policy.config.topk == 0:
+            raise ValueError(f"{Path(directory)}: exported without a long-range budget (topk 0: sinks + window "
+                             f"only); load it with compression= (e.g. 0.75) or config=EvictionConfig(...)")
+        return policy
+    return dataclasses.replace(policy, config=dataclasses.replace(policy.config, topk=0, k_max=None),
+                               compression=DEFAULT_COMPRESSION if compression is ... else compression)
+
+
+_META_INTS = ("num_layers", "kv_heads", "head_dim", "sinks", "window", "topk")
+
+
+def _check_meta(path: Path, meta) -> None:
+    """Refuse a ``scorer_config.json`` of another format or with missing or wrong-typed fields."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    version = meta.get("format_version")
+    if version is None:
+        raise ValueError(f"{path}: no 'format_version' field (not written by kvjax.export_scorers?)")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"{path}: 'format_version' must be a positive integer, got {version!r}")
+    if version > FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version {version} is newer than this kvjax reads ({FORMAT_VERSION}); "
+                         "upgrade kvjax or export the scorers again")
+    if not isinstance(meta.get("scorer"), str):
+        raise ValueError(f"{path}: missing or non-string field 'scorer' (the scorer type, e.g. 'mlp')")
+    for key in _META_INTS:
+        v = meta.get(key)
+        if key == "head_dim" and v is None and meta["scorer"] == "duo":
+            continue
+        if key not in meta:
+            raise ValueError(f"{path}: missing field {key!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key in ("sinks", "topk") else 1):
+            raise ValueError(f"{path}: field {key!r} must be a {'non-negative' if key in ('sinks', 'topk') else 'positive'} "
+                             f"integer, got {v!r}")
+    k_max = meta.get("k_max")
+    if k_max is not None and (isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < meta["topk"]):
+        raise ValueError(f"{path}: field 'k_max' must be null or an integer >= topk ({meta['topk']}), got {k_max!r}")
 
 
 def _load_scorers(directory):
@@ -170,6 +223,7 @@ def _load_scorers(directory):
         meta = json.loads((d / "scorer_config.json").read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{d / 'scorer_config.json'}: not valid JSON (truncated or damaged?): {e}") from None
+    _check_meta(d / "scorer_config.json", meta)
     try:
         tensors = load_file(d / "scorers.safetensors")
     except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
@@ -201,7 +255,12 @@ def _load_scorers(directory):
     cls = REGISTRY.get(name)
     if cls is None or getattr(cls, "export_kind", None) != kind:
         raise ValueError(f"{d}: unknown scorer type {kind!r}" + (f" for policy {name!r}" if name else ""))
-    scorer = nnx.eval_shape(lambda: cls.make_scorer(meta))
+    try:
+        scorer = nnx.eval_shape(lambda: cls.make_scorer(meta))
+    except KeyError as e:
+        raise ValueError(f"{d / 'scorer_config.json'}: missing field {e.args[0]!r} (the {kind} scorer's sizes)") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{d / 'scorer_config.json'}: a {kind} scorer size has the wrong type or value: {e}") from None
     graphdef, state = nnx.split(scorer)
     flat = nnx.to_flat_state(state)
     for path, var in flat:
@@ -221,14 +280,17 @@ def _load_scorers(directory):
         if budgets.shape != (L, K):
             raise ValueError(f"{d}: lkv_budgets has shape {budgets.shape}, expected {(L, K)}")
     fits = (int(L), int(K), int(D), meta.get("base_config_sha256"))
-    return cls.from_export(scorer, ev, meta, budgets, fits)
+    try:
+        return cls.from_export(scorer, ev, meta, budgets, fits)
+    except KeyError as e:
+        raise ValueError(f"{d / 'scorer_config.json'}: missing field {e.args[0]!r}") from None
 
 
 def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
     """Export ``lkv_kvpop_mlstm``: the per-head budgets (and ``k_max``, budget) of an exported
     ``lkv`` policy with the token scorer of an exported ``kvpop_mlstm`` one."""
 
-    lkv, kvpop = load_scorers(lkv_dir), load_scorers(kvpop_mlstm_dir)
+    lkv, kvpop = load_scorers(lkv_dir, compression=None), load_scorers(kvpop_mlstm_dir, compression=None)
     if lkv.name != "lkv":
         raise ValueError(f"{lkv_dir}: expected exported LKV scorers (scorer 'lkv'), got {lkv.name!r}")
     if kvpop.name != "kvpop_mlstm":
@@ -239,6 +301,6 @@ def combine_lkv_budgets(lkv_dir, kvpop_mlstm_dir, out_dir) -> Path:
     ev = dataclasses.replace(kvpop.config, sinks=lkv.config.sinks, window=lkv.config.window, topk=lkv.config.topk,
                              k_max=lkv.config.k_max)
     combo = REGISTRY["lkv_kvpop_mlstm"](ev, params={"budgets": lkv.params["budgets"], "scorer": kvpop.params},
-                                 scorer_def=kvpop.scorer_def, chunk=kvpop.chunk)
+                                 scorer_def=kvpop.scorer_def, chunk=kvpop.chunk, budgets_at=lkv.budgets_at)
     meta = json.loads((Path(kvpop_mlstm_dir) / "scorer_config.json").read_text())
     return export_scorers(combo, out_dir, base_model_name=meta.get("base_model"))

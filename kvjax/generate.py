@@ -7,6 +7,7 @@ left-padded to the longest prompt, then the new tokens, and ``pad`` after a row'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -41,17 +42,65 @@ def forward(model: Decoder, tokens) -> jax.Array:
     return _forward(graphdef, params, tokens.astype(jnp.int32))
 
 
-def resolve_policy(policy):
-    """``None`` -> the dense cache; a registered name -> that policy with the default budget."""
+def resolve_policy(policy, length: int | None = None, compression: float | None = None):
+    """``None`` -> the dense cache; a registered name -> that policy at
+    :func:`kvjax.make_policy`'s default budget (75% of the prompt evicted); with ``length`` (the
+    prompt's), a policy whose budget is a compression ratio (its own, or ``compression``, which
+    overrides it) gets the fixed budget of that ratio at that length."""
     if policy is None:
+        if compression is not None:
+            raise ValueError("compression needs a policy (policy=None is the dense cache, which evicts nothing)")
         return DenseKV()
     if isinstance(policy, str):
         from kvjax.eviction.policies import make_policy
 
-        return make_policy(policy)
+        policy = make_policy(policy)
     if not (hasattr(policy, "init") and hasattr(policy, "backend")):
         raise TypeError(f"policy must be None, a registered policy name or a policy object, got {policy!r}")
+    if length is not None and hasattr(policy, "at_compression"):
+        if compression is not None:
+            return policy.at_compression(compression, length)
+        return policy.resolved(length)
+    if compression is not None:
+        raise ValueError(f"compression: policy {getattr(policy, 'name', policy)!r} has no at_compression()")
     return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationStats:
+    """What a :func:`generate` call held in its KV cache (``return_stats=True``)."""
+
+    policy: str                 # the policy's name ("dense": no policy)
+    prompt_length: int          # the longest prompt, in tokens
+    new_tokens: int             # max_new_tokens
+    slots_per_head: int         # KV entries each layer and KV head holds at most
+    kv_bytes: int               # bytes of keys and values the cache holds (all layers and rows)
+    dense_kv_bytes: int         # the same for a dense cache of prompt + new tokens
+
+    @property
+    def saved(self) -> float:
+        """The share of the dense cache's bytes not held."""
+        return 1.0 - self.kv_bytes / self.dense_kv_bytes
+
+    def __str__(self) -> str:
+        return (f"{self.policy}: KV cache {self.kv_bytes / 1e6:.1f} MB ({self.slots_per_head} slots per head) "
+                f"against {self.dense_kv_bytes / 1e6:.1f} MB dense for {self.prompt_length} + {self.new_tokens} "
+                f"tokens ({self.saved:.0%} saved)")
+
+
+def generation_stats(model, policy, batch: int, prompt_length: int, new_tokens: int) -> GenerationStats:
+    """The KV bytes ``policy`` holds for ``batch`` rows against a dense cache of
+    ``prompt_length + new_tokens`` positions."""
+    cfg = model.config
+    per_slot = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
+    n = prompt_length + new_tokens
+    if isinstance(policy, DenseKV):
+        slots, kv = n, per_slot * n
+    else:
+        ev = policy.effective()
+        slots = min(ev.sinks + ev.window + ev.slots, n)
+        kv = policy.kv_bytes(cfg, batch, model.dtype)
+    return GenerationStats(getattr(policy, "name", "dense"), prompt_length, new_tokens, slots, kv, per_slot * n)
 
 
 def _check_vocab(tokens: np.ndarray, vocab: int) -> None:
@@ -204,11 +253,18 @@ def _check_token_ids(prompt) -> None:
 def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             max_cache_len: int | None = None, bucket_lengths: bool = True, prefill: str = "auto") -> jax.Array:
-    """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]``.
+             max_cache_len: int | None = None, bucket_lengths: bool = True, prefill: str = "auto",
+             compression: float | None = None, return_stats: bool = False):
+    """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]`` (with ``return_stats``, also
+    a :class:`GenerationStats`: the KV bytes held against a dense cache).
 
     ``policy=None`` is the dense cache; otherwise a policy object (e.g.
-    ``kvjax.make_policy("h2o", kvjax.EvictionConfig(4, 64, 64))``) or a registered name.
+    ``kvjax.make_policy("h2o", kvjax.EvictionConfig(4, 64, 64))``) or a registered name (at the
+    default budget, 75% of the prompt evicted). ``compression`` sets the budget of any policy as
+    the share of the prompt evicted: ``round((1 - compression) S)`` slots per KV head for the
+    longest prompt ``S`` (its sinks and window, the rest long-range; learned per-head budgets
+    rescaled); a policy made or loaded with a compression ratio resolves it the same way. The
+    budget is a static shape: each prompt length compiles its own program.
     Greedy when ``temperature == 0``, otherwise sampling with ``jax.random.key(seed)``,
     filtered by ``top_k`` (0 = off) and ``top_p`` (1 = off). Rows stop at EOS (default: the
     model's) and are padded with ``pad_token_id`` (default: the model's pad, else its EOS,
@@ -238,13 +294,16 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     _check_vocab(tokens, cfg.vocab_size)
     S, max_new = tokens.shape[1], int(max_new_tokens)
     need = S + max_new
+    if S > cfg.max_position_embeddings:
+        raise ValueError(f"prompt: {S} tokens exceed the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}; shorten the prompt")
     if max_cache_len is not None and need > max_cache_len:
         raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the cache size max_cache_len={max_cache_len}")
     if need > cfg.max_position_embeddings:
         raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, S, compression)
     if hasattr(policy, "check_model"):
         policy.check_model(cfg)
     S_b, N_b = (bucket(S), bucket(max_new)) if bucket_lengths else (S, max_new)
@@ -256,4 +315,7 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
                     jax.random.key(seed), jnp.int32(max_new), jnp.float32(temperature), jnp.int32(top_k),
                     jnp.float32(top_p), new_cap=N_b, eos_ids=tuple(int(e) for e in eos),
                     pad_id=int(pad_token_id), cache_len=max_cache_len or (S_b + N_b))
-    return jnp.asarray(_hf_layout(tokens, lengths, np.asarray(new)[:, :max_new], int(pad_token_id)))
+    out = jnp.asarray(_hf_layout(tokens, lengths, np.asarray(new)[:, :max_new], int(pad_token_id)))
+    if return_stats:
+        return out, generation_stats(model, policy, tokens.shape[0], S, max_new)
+    return out

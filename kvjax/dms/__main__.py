@@ -10,7 +10,9 @@ from kvjax.dms.train import DMSConfig, run_dms
 
 
 def main(argv=None) -> int:
-    cfg, _ = cli_config(DMSConfig, "python -m kvjax.dms", __doc__, argv)
+    cfg, _ = cli_config(DMSConfig, "python -m kvjax.dms", __doc__, argv, set_example="steps=20", examples=(
+        "python -m kvjax.dms --config configs/dms-testbed.yaml --set steps=20 --set work_dir=runs/dms/try "
+        "--set out_dir=runs/dms/try-export",))
     try:
         out = run_dms(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

@@ -10,7 +10,9 @@ from kvjax.duo.train import DuoConfig, run_duo
 
 
 def main(argv=None) -> int:
-    cfg, _ = cli_config(DuoConfig, "python -m kvjax.duo", __doc__, argv)
+    cfg, _ = cli_config(DuoConfig, "python -m kvjax.duo", __doc__, argv, set_example="steps=20", examples=(
+        "python -m kvjax.duo --config configs/duo-testbed.yaml --set steps=20 --set work_dir=runs/duo/try "
+        "--set out_dir=runs/duo/try-export",))
     try:
         out = run_duo(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

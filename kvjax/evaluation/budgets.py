@@ -35,28 +35,3 @@ def fixed_window_budget(length: int, compression: float, *, sinks: int, window: 
         raise ValueError(f"{sinks} sinks + {window} window exceed the budget of {total} slots "
                          f"({compression:.0%} of {length} tokens); lower the window or the compression")
     return EvictionConfig(sinks=sinks, window=window, topk=total - sinks - window)
-
-
-def rebudget(policy, ev: EvictionConfig, context: int | None = None):
-    """A loaded learned policy at another budget ``ev``. Policies with LKV per-head budgets
-    keep their learned split: each head's budget and ``k_max`` scale by ``ev.topk / topk``
-    (the keep ratio ``R = topk / k_max`` is unchanged, so the total stays <= ``L K topk``).
-    DuoAttention's retrieval heads keep the whole context: their cap ``k_max`` becomes
-    ``context - sinks - window`` (``context``: the longest sequence the cache will hold)."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    if policy.name == "duo_attention":
-        if context is None:
-            raise ValueError("rebudget: duo_attention needs the context length (its retrieval heads' cap)")
-        ev = dataclasses.replace(ev, k_max=max(context - ev.sinks - ev.window, ev.topk))
-    params = policy.params
-    if isinstance(params, dict) and "budgets" in params:
-        old = policy.config
-        scale = ev.topk / old.topk
-        k_max = max(int(math.ceil(old.k_max * scale)), ev.topk + 1)
-        budgets = jnp.minimum(jnp.floor(params["budgets"] * scale).astype(jnp.int32), k_max)
-        ev = dataclasses.replace(ev, k_max=k_max)
-        params = {**params, "budgets": budgets}
-    return dataclasses.replace(policy, config=ev, params=params)

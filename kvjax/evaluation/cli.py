@@ -201,7 +201,9 @@ def main(argv=None) -> int:
     from kvjax.configio import cli_config, to_dict
     from kvjax.evaluation.config import EvalConfig
 
-    cfg, _ = cli_config(EvalConfig, "eval.py", __doc__, argv)
+    cfg, _ = cli_config(EvalConfig, "eval.py", __doc__, argv, set_example="num_problems=16", examples=(
+        'python eval.py --config configs/testbed-quality.yaml --set "policies=[dense,snapkv,dms]" '
+        "--set num_problems=16 --set out_dir=runs/quality-try",))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()

@@ -18,7 +18,6 @@ import numpy as np
 
 from kvjax.data import EOS_ID, category_counts, check_answer, predictions_from_logits
 from kvjax.data.metrics import POOLED_IDS
-from kvjax.evaluation.budgets import rebudget
 from kvjax.evaluation.oracle import oracle_priorities
 from kvjax.evaluation.retention import kept_positions, retention_recall
 from kvjax.eviction.config import EvictionConfig
@@ -107,7 +106,7 @@ def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext
     if name == "dense":
         return None
     if name in learned:
-        return rebudget(learned[name], ev, context=context)
+        return learned[name].at_budget(ev, context=context)
     if variants and name in variants:
         fields = {k: v for k, v in variants[name].items() if k != "policy"}
         name, ev = variants[name]["policy"], variant_config(ev, fields, context)

@@ -9,7 +9,10 @@ when only some policies' parts differ (a retrained scorer), just those policies'
 are discarded and recomputed; policies this run does not evaluate keep their records and
 their stored fingerprint (a run over a subset of policies loses nothing). A torn last line
 (a crash mid-write) is dropped and recomputed. A folder serves one evaluation at a time
-(``.lock``); a second is refused.
+(``.lock``, removed on close); a second is refused.
+
+``python -m kvjax.evaluation.results_store SRC DST`` merges SRC's records into DST (a new folder
+too) and marks DST's ``table.md`` stale, printing the ``--report`` command that rewrites it.
 """
 
 from __future__ import annotations
@@ -134,21 +137,35 @@ def read_fingerprint(folder) -> dict:
     return _split_legacy(json.loads(path.read_text()))
 
 
+def _is_new(folder: Path) -> bool:
+    """A destination that does not exist yet, or holds nothing (a stale ``.lock`` apart)."""
+    return not folder.exists() or (folder.is_dir() and all(p.name == ".lock" for p in folder.iterdir()))
+
+
 def merge_into(dst, src) -> int:
     """Append ``src``'s records that ``dst`` lacks, so two runs of one evaluation on disjoint
     work (e.g. one length each, in two processes) end in one folder. Refused unless both
     folders hold the same evaluation (``run``) and every policy both hold has the same
-    fingerprint; both folders are locked meanwhile. Returns the number of records added."""
-    fd, fs = read_fingerprint(dst), read_fingerprint(src)
+    fingerprint; both folders are locked meanwhile. A new (missing or empty) ``dst`` takes
+    ``src``'s fingerprint. Returns the number of records added."""
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve() or (src.exists() and dst.exists() and os.path.samefile(src, dst)):
+        raise ValueError(f"{src} and {dst} are the same folder: nothing to merge (name the folder whose "
+                         "records are added first, then the folder that receives them)")
+    fs = read_fingerprint(src)
+    fd = fs if _is_new(dst) else read_fingerprint(dst)     # a new folder: src's fingerprint
     if fd["run"] != fs["run"]:
         diff = sorted(k for k in set(fd["run"]) | set(fs["run"]) if fd["run"].get(k) != fs["run"].get(k))
         raise ValueError(f"{src} and {dst} hold different evaluations (differ in: {', '.join(diff)})")
     clash = sorted(p for p in fs["policies"] if p in fd["policies"] and fs["policies"][p] != fd["policies"][p])
     if clash:
         raise ValueError(f"{src} and {dst} evaluated {', '.join(clash)} with different files (scorers)")
+    new_dst = _is_new(dst)
     source = ResultsStore(src, fs["run"], policies=fs["policies"])
     try:
         target = ResultsStore(dst, fd["run"], policies=fs["policies"])
+        if new_dst and (src / "report.json").is_file():     # which config wrote the records (longctx)
+            (dst / "report.json").write_text((src / "report.json").read_text())
         try:
             new = [r for k, r in source.records.items() if k not in target.records]
             target.add(new)
@@ -159,15 +176,75 @@ def merge_into(dst, src) -> int:
         source.close()
 
 
+STALE = "**Stale:** records were merged into this folder after this table was written; regenerate it:"
+
+
+def report_command(dst) -> str:
+    """The command that rewrites ``dst``'s table and figures from its records: for a long-context
+    store, ``python -m kvjax.longctx --config C --set out_dir=DST --report`` with the config its
+    last run recorded in ``report.json``."""
+    import shlex
+
+    dst = Path(dst)
+    info = dst / "report.json"
+    config = json.loads(info.read_text()).get("config") if info.is_file() else _shipped_config_for(dst)
+    if config:
+        return shlex.join(["python", "-m", "kvjax.longctx", "--config", str(config), "--set",
+                           f"out_dir={dst}", "--report"])
+    return f"the command that wrote {dst / 'table.md'}, with --report (e.g. python -m kvjax.longctx " \
+           f"--config <its config> --set out_dir={dst} --report)"
+
+
+def _shipped_config_for(dst: Path) -> str | None:
+    """The shipped long-context config (``configs/longctx-*.yaml``) whose ``out_dir`` is ``dst``
+    (a store written before ``report.json``), as a path from the current directory."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    for c in sorted((root / "configs").glob("longctx-*.yaml")):
+        try:
+            out = (yaml.safe_load(c.read_text()) or {}).get("out_dir")
+        except (yaml.YAMLError, AttributeError):
+            continue
+        if out and dst.resolve() in ((root / out).resolve(), Path(out).resolve()):
+            return os.path.relpath(c)
+    return None
+
+
+def mark_stale(dst) -> str | None:
+    """After a merge: mark ``dst/table.md`` stale (a first line naming the command that rewrites
+    it) and return the message to print; None when the folder has no table."""
+    table = Path(dst) / "table.md"
+    if not table.is_file():
+        return None
+    cmd = report_command(dst)
+    text = table.read_text()
+    if not text.startswith(STALE):
+        table.write_text(f"{STALE} `{cmd}`\n\n{text}")
+    sets = []
+    info = Path(dst) / "report.json"
+    if info.is_file():
+        sets = json.loads(info.read_text()).get("set") or []
+    also = f" (the last run there also had: {' '.join('--set ' + s for s in sets)})" if sets else ""
+    return f"{table} (and the figures) are stale now: regenerate them with\n  {cmd}{also}"
+
+
 if __name__ == "__main__":
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m kvjax.evaluation.results_store",
-                                 description="Merge one results folder's records into another (same evaluation).")
+                                 description="Merge one results folder's records into another (same evaluation). "
+                                             "A table written from the destination before is stale afterwards: "
+                                             "regenerate it with --report (the command is printed).")
     ap.add_argument("src", help="the folder whose records are added")
-    ap.add_argument("dst", help="the folder that receives them")
+    ap.add_argument("dst", help="the folder that receives them (a new or empty folder takes src's fingerprint)")
     a = ap.parse_args()
     try:
-        print(f"added {merge_into(a.dst, a.src)} records of {a.src} to {a.dst}")
+        added = merge_into(a.dst, a.src)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"python -m kvjax.evaluation.results_store: {e}")
+    print(f"added {added} records of {a.src} to {a.dst}")
+    if added and (note := mark_stale(a.dst)):
+        print(note)
+    elif added and not (Path(a.dst) / "table.md").exists() and (Path(a.dst) / "report.json").is_file():
+        print(f"write its table and figures with\n  {report_command(a.dst)}")

@@ -99,11 +99,10 @@ ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
 def _policy(name, ev, learned, oracle, context: int):
     """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the
     budget); ``context``: the traces' (cropped) length."""
-    from kvjax.evaluation.budgets import rebudget
     from kvjax.eviction.policies import make_policy
 
     if name in learned:
-        return rebudget(learned[name], ev, context=context)
+        return learned[name].at_budget(ev, context=context)
     return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
 
 
@@ -210,7 +209,9 @@ def main(argv=None) -> int:
 
     from kvjax.configio import cli_config
 
-    cfg, _ = cli_config(FidelityConfig, "python -m kvjax.evaluation.trace_fidelity", __doc__, argv)
+    prog = "python -m kvjax.evaluation.trace_fidelity"
+    cfg, _ = cli_config(FidelityConfig, prog, __doc__, argv, set_example="max_traces=4", examples=(
+        f"{prog} --config configs/fidelity-smollm2.yaml --set max_traces=4 --set out_dir=runs/fidelity/try",))
     try:
         tab = run_fidelity(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

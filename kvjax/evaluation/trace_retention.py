@@ -64,7 +64,6 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
     from tqdm import tqdm
 
     import kvjax
-    from kvjax.evaluation.budgets import rebudget
     from kvjax.evaluation.oracle import oracle_priorities
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.evaluation.retention import kept_positions, retention_recall
@@ -107,7 +106,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
                 if name == "oracle":
                     pol = make_policy("oracle", ev, params=pri)
                 else:
-                    pol = rebudget(learned[name], ev, context=cfg.crop) if name in learned else make_policy(name, ev)
+                    pol = learned[name].at_budget(ev, context=cfg.crop) if name in learned else make_policy(name, ev)
                 every, _ = kept_positions(model, tokens, lengths, pol)            # [L, B, K, slots]
                 rec = retention_recall(every, oracle_lr, cfg.crop)                # [L, B, K]
                 store.add([{"key": k, "id": rows[i]["id"], "policy": name,
@@ -240,7 +239,10 @@ def main(argv=None) -> int:
     from kvjax.configio import cli_config
     from kvjax.real_model import ensure_model
 
-    cfg, _ = cli_config(RetentionConfig, "python -m kvjax.evaluation.trace_retention", __doc__, argv)
+    cfg, _ = cli_config(RetentionConfig, "python -m kvjax.evaluation.trace_retention", __doc__, argv,
+                        set_example="max_traces=4", examples=(
+                            "python -m kvjax.evaluation.trace_retention --config configs/retention-smollm2.yaml "
+                            "--set max_traces=4 --set out_dir=runs/retention/try",))
     try:
         summary, records = run_retention(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

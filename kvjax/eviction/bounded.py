@@ -29,7 +29,7 @@ import pallas_kernels
 from kvjax.eviction.attention import slot_attention, statistic_scores
 from kvjax.eviction.budgets import adakv_budgets, adakv_select, pyramid_budgets, shares_budgets
 from kvjax.eviction.chunked import chunked_prefill
-from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.config import EvictionConfig, budget_at, check_compression
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
 from kvjax.cache.slots import (BoundedCache, SlotBuffer, exiting_slot, gather_tokens, init_buffer, place,
                                prefill_buffer, put_side, read_side, read_slot, write)
@@ -44,9 +44,50 @@ class BoundedPolicy:
     params: Any = dataclasses.field(default=None, compare=False, hash=False, repr=False)
     # (layers, KV heads, head_dim, config sha256 or None) of the model learned weights were made for
     fits: tuple | None = dataclasses.field(default=None, compare=False, hash=False, repr=False)
+    # the budget as a share of the prompt evicted, resolved at the prompt's length by generate
+    # (at_compression); None: ``config`` is the budget
+    compression: float | None = None
 
     name: ClassVar[str] = "bounded"
     static: ClassVar[bool]          # set by the protocol: True for StaticPriority
+
+    def __post_init__(self):
+        if not isinstance(self.config, EvictionConfig):
+            raise TypeError(f"policy {self.name!r}: config must be an EvictionConfig, got {type(self.config).__name__}")
+        if self.compression is not None:
+            object.__setattr__(self, "compression", check_compression(self.compression, f"policy {self.name!r}: "
+                                                                                         "compression"))
+            if self.config.topk != 0 or self.config.k_max is not None:
+                raise ValueError(f"policy {self.name!r}: its budget is a compression ratio "
+                                 f"({self.compression:.0%} of the prompt evicted), and a config with topk="
+                                 f"{self.config.topk}, k_max={self.config.k_max} would conflict with it: for a fixed "
+                                 "budget use policy.at_budget(config); with a ratio, the config gives the sinks, "
+                                 "window and settings only (topk=0, k_max unset)")
+
+    # ---- the budget: one way to set it, for every policy ----------------------------------------
+    def at_budget(self, config: EvictionConfig, context: int | None = None) -> "BoundedPolicy":
+        """This policy at the fixed budget ``config``. Policies with learned per-head budgets keep
+        their learned split, rescaled to ``config.topk`` (LKV-H); DuoAttention's retrieval heads
+        keep up to ``context`` tokens (the longest sequence the cache will hold) when
+        ``config.k_max`` is unset. ``dataclasses.replace(policy, config=...)`` is the same."""
+        return dataclasses.replace(self, config=config, compression=None)
+
+    def at_compression(self, compression: float, length: int) -> "BoundedPolicy":
+        """This policy at the budget that evicts ``compression`` of ``length`` tokens
+        (:func:`kvjax.eviction.config.budget_at`: ``round((1 - c) length)`` slots per KV head, this
+        policy's sinks and window, the rest long-range)."""
+        return self.at_budget(budget_at(self.config, compression, length), context=length)
+
+    def resolved(self, length: int) -> "BoundedPolicy":
+        """The policy with a fixed budget for a prompt of ``length`` tokens: itself when it has one."""
+        return self if self.compression is None else self.at_compression(self.compression, length)
+
+    def kv_bytes(self, cfg, batch: int, dtype) -> int:
+        """Bytes of keys and values the bounded cache holds (all layers, ``batch`` rows), whatever
+        the sequence length; the slot positions, priorities and policy state come on top."""
+        ev = self.effective()
+        n = ev.sinks + ev.window + ev.slots
+        return 2 * cfg.num_layers * batch * cfg.num_kv_heads * n * cfg.head_dim * jnp.dtype(dtype).itemsize
 
     def effective(self) -> EvictionConfig:
         """The budget this policy actually runs with."""
@@ -94,6 +135,11 @@ class BoundedPolicy:
         return dataclasses.replace(self, params=params)
 
     def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> BoundedCache:
+        if self.compression is not None:
+            raise ValueError(f"policy {self.name!r} holds its budget as a compression ratio "
+                             f"({self.compression:.0%} of the prompt evicted) and no length yet: use "
+                             f"policy.at_compression({self.compression}, length) or policy.at_budget(config) "
+                             "(kvjax.generate and TextGenerator resolve it at the prompt's length)")
         ev = self.effective()
         ev.check_fits(cfg.max_position_embeddings)
         budgets = self.head_budgets(params, cfg, batch)

@@ -1,9 +1,17 @@
-"""``EvictionConfig``: the per-KV-head budget ``B = sinks + window + topk``."""
+"""``EvictionConfig``: the per-KV-head budget ``B = sinks + window + topk``, and the budget a
+compression ratio gives at a length (:func:`budget_at`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
+
+# A policy made or loaded without a budget keeps this share of the prompt out of its cache
+# (75%: it holds a quarter of the prompt's tokens per KV head), as the README's tables do, with
+# this many sinks and recent tokens protected (kvjax.make_policy, kvjax.load_scorers).
+DEFAULT_COMPRESSION = 0.75
+DEFAULT_SINKS = 4
+DEFAULT_WINDOW = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,3 +112,25 @@ class EvictionConfig:
         if self.sinks + self.window + self.slots > max_positions:
             raise ValueError(f"EvictionConfig: budget sinks+window+k_max = {self.sinks + self.window + self.slots} "
                              f"exceeds the model's max_position_embeddings={max_positions}")
+
+
+def check_compression(compression, what: str = "compression") -> float:
+    """``compression`` as a float in ``[0, 1)``, or a clear error."""
+    if isinstance(compression, bool) or not isinstance(compression, (int, float)) or not 0.0 <= compression < 1.0:
+        raise ValueError(f"{what} must be a number in [0, 1) (the share of the prompt's tokens evicted, "
+                         f"e.g. 0.75 keeps a quarter), got {compression!r}")
+    return float(compression)
+
+
+def budget_at(base: EvictionConfig, compression: float, length: int) -> EvictionConfig:
+    """``base`` with ``sinks + window + topk = max(1, round((1 - compression) length))`` slots per
+    KV head and ``k_max`` unset: the sinks and window are ``base``'s, shrunk only when the budget
+    is smaller than they are (sinks first keep one slot for the window); ``topk`` takes the rest.
+    Every other field (kernel, SnapKV's window, the budget rule) is ``base``'s."""
+    compression = check_compression(compression)
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"budget_at: length must be a positive integer, got {length!r}")
+    total = max(1, int(round((1.0 - compression) * length)))
+    sinks = min(base.sinks, total - 1)
+    window = min(base.window, total - sinks)
+    return dataclasses.replace(base, sinks=sinks, window=window, topk=total - sinks - window, k_max=None)

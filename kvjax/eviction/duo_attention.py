@@ -58,6 +58,16 @@ class DuoAttention(StaticPriority):
                              "(kvjax.duo trains them; kvjax.load_scorers(dir) loads an export)")
         return params["gates"]
 
+    def at_budget(self, config: EvictionConfig, context: int | None = None) -> "DuoAttention":
+        """At ``config``'s total; retrieval heads keep up to ``context`` tokens (their cap ``k_max =
+        context - sinks - window``) unless ``config.k_max`` sets the cap."""
+        if config.k_max is None:
+            if context is None:
+                raise ValueError("duo_attention: give the context length (at_budget(config, context=...)) or "
+                                 "config.k_max: a retrieval head's cap")
+            config = dataclasses.replace(config, k_max=max(context - config.sinks - config.window, config.topk))
+        return dataclasses.replace(self, config=config, compression=None)
+
     def effective(self) -> EvictionConfig:
         if self.config.k_max is None:
             raise ValueError("duo_attention: set EvictionConfig.k_max, a retrieval head's cap "

@@ -16,7 +16,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvjax.eviction.bounded import StaticPriority
@@ -38,8 +42,51 @@ def head_budgets_from(heads, config: EvictionConfig):
     return heads.budgets(lkv_keep_ratio(config), config.k_max, config.k_max)
 
 
+@dataclasses.dataclass(frozen=True)
 class _LearnedBudgets:
-    """Per-head budgets from ``params["budgets"]`` (``int [L, K]``)."""
+    """Per-head budgets from ``params["budgets"]`` (``int [L, K]``), learned at ``budgets_at =
+    (topk, k_max)``. A policy built with another ``config.topk`` (``at_budget``,
+    ``dataclasses.replace(policy, config=...)``, ``make_policy(name, config, params=...)``) keeps
+    the learned split, rescaled: ``b'_lh = min(floor(b_lh topk' / topk), k_max')`` with
+    ``k_max' = max(ceil(k_max topk' / topk), topk' + 1)`` unless the new config sets its own cap
+    (the keep ratio ``R = topk / k_max`` is unchanged, so the total stays <= ``L K topk'``).
+    Budgets given without ``budgets_at`` were learned at ``topk = ceil(mean b)`` (LKV-H's integer
+    budgets lose less than one slot per head)."""
+
+    budgets_at: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        budgets = self.params.get("budgets") if isinstance(self.params, dict) else None
+        if budgets is None:
+            return
+        try:
+            b = np.asarray(budgets)
+        except jax.errors.TracerArrayConversionError:      # rebuilt inside a trace: already normalised
+            return
+        at = self.budgets_at
+        if at is None:
+            topk0 = int(math.ceil(float(b.mean()) - 1e-9)) if b.size else 0
+            at = (topk0, int(max(b.max(initial=0), topk0 + 1)))
+        topk0, k_max0 = int(at[0]), int(at[1])
+        ev = self.config
+        if ev.topk == topk0 or self.compression is not None:       # a pending ratio rescales when resolved
+            object.__setattr__(self, "budgets_at", (topk0, k_max0))
+            return
+        if topk0 <= 0:
+            raise ValueError(f"policy {self.name!r}: its per-head budgets are all 0; they cannot be rescaled "
+                             f"to topk={ev.topk}")
+        scale = ev.topk / topk0
+        k_max = max(int(math.ceil(k_max0 * scale)), ev.topk + 1)
+        if ev.k_max is not None and ev.k_max != k_max0:
+            if ev.k_max <= ev.topk:
+                raise ValueError(f"policy {self.name!r}: k_max={ev.k_max} must exceed topk={ev.topk} (learned "
+                                 "per-head budgets need room above the mean); leave k_max unset to size it")
+            k_max = ev.k_max                                # the caller's own cap
+        scaled = np.minimum(np.floor(b * scale).astype(np.int32), k_max)
+        object.__setattr__(self, "config", dataclasses.replace(ev, k_max=k_max))
+        object.__setattr__(self, "params", {**self.params, "budgets": jnp.asarray(scaled, jnp.int32)})
+        object.__setattr__(self, "budgets_at", (ev.topk, k_max))
 
     def export_budgets(self):
         return _field(self.params, "budgets", self.name)
@@ -95,7 +142,7 @@ class LKV(_LearnedBudgets, StaticPriority):
     def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):
         tokens_def, tokens = nnx.split(scorer)
         return cls(config, params={"budgets": budgets, "tokens": nnx.to_pure_dict(tokens)}, tokens_def=tokens_def,
-                   fits=fits)
+                   fits=fits, budgets_at=_learned_at(config))
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if self.tokens_def is None:
@@ -117,14 +164,14 @@ class LKVBudgetsKVpopMLSTM(_LearnedBudgets, KVpopMLSTM):
     def from_export(cls, scorer, config: EvictionConfig, meta: dict, budgets, fits):
         scorer_def, state = nnx.split(scorer)
         return cls(config, params={"budgets": budgets, "scorer": nnx.to_pure_dict(state)}, scorer_def=scorer_def,
-                   fits=fits, **cls.export_kwargs(meta))
+                   fits=fits, budgets_at=_learned_at(config), **cls.export_kwargs(meta))
 
 
 def lkv_policy(heads, token_scorer, config: EvictionConfig) -> LKV:
     """The ``lkv`` policy of trained ``LKVHeads`` and ``LKVTokenScorer``."""
     tokens_def, tokens = nnx.split(token_scorer)
     return LKV(config, params={"budgets": head_budgets_from(heads, config), "tokens": nnx.to_pure_dict(tokens)},
-               tokens_def=tokens_def)
+               tokens_def=tokens_def, budgets_at=_learned_at(config))
 
 
 def lkv_budgets_policy(heads, mlstm_scorer, config: EvictionConfig, **kw) -> LKVBudgetsKVpopMLSTM:
@@ -136,4 +183,9 @@ def lkv_budgets_policy(heads, mlstm_scorer, config: EvictionConfig, **kw) -> LKV
     scorer_def, scorer = nnx.split(mlstm_scorer)
     return LKVBudgetsKVpopMLSTM(config, params={"budgets": head_budgets_from(heads, config),
                                                 "scorer": nnx.to_pure_dict(scorer)},
-                                scorer_def=scorer_def, **kw)
+                                scorer_def=scorer_def, budgets_at=_learned_at(config), **kw)
+
+
+def _learned_at(config: EvictionConfig) -> tuple[int, int]:
+    """``(topk, k_max)`` the per-head budgets were computed at."""
+    return (config.topk, config.slots)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.eviction.bounded import AttentionStatistic, BoundedPolicy, StaticPriority
-from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.config import DEFAULT_COMPRESSION, DEFAULT_SINKS, DEFAULT_WINDOW, EvictionConfig
 from kvjax.eviction.registry import REGISTRY, register
 
 
@@ -214,11 +214,20 @@ from kvjax.eviction import dms, duo_attention, learned, lkv_policies  # noqa: E4
 
 
 
-def make_policy(name: str, config: EvictionConfig | None = None, params: Any = None) -> BoundedPolicy:
-    """The registered policy ``name`` with ``config`` (default: ``EvictionConfig()``) and ``params``."""
+def make_policy(name: str, config: EvictionConfig | None = None, params: Any = None, *,
+                compression: float | None = None) -> BoundedPolicy:
+    """The registered policy ``name`` with ``params`` and its budget: ``config`` (a fixed budget
+    per KV head), or ``compression`` (the share of the prompt evicted, resolved at the prompt's
+    length by ``generate``; ``config``, with ``topk=0``, then gives the sinks, window and other
+    settings; a config with ``topk > 0`` and a compression together are refused). With
+    neither, the budget is :data:`~kvjax.eviction.config.DEFAULT_COMPRESSION` (75%) with
+    ``DEFAULT_SINKS`` (4) sinks and a ``DEFAULT_WINDOW`` (32) token window."""
     if name not in REGISTRY:
         raise ValueError(f"policy: unknown name {name!r}; registered: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name](config or EvictionConfig(), params=params)
+    if config is None:
+        config = EvictionConfig(sinks=DEFAULT_SINKS, window=DEFAULT_WINDOW, topk=0)
+        compression = DEFAULT_COMPRESSION if compression is None else compression
+    return REGISTRY[name](config, params=params, compression=compression)
 
 
 __all__ = ["REGISTRY", "make_policy", "register", "BoundedPolicy", "StaticPriority", "AttentionStatistic"]

@@ -13,13 +13,26 @@ import json
 import sys
 from pathlib import Path
 
-from kvjax.configio import cli_config
+from kvjax.configio import cli_config, path_hint
 from kvjax.longctx.report import markdown, report
 from kvjax.longctx.run import LongCtxConfig, run_longctx, to_json
 
 
+PROG = "python -m kvjax.longctx"
+
+
+def resume_command(argv) -> str:
+    """The command that resumes this run: the same arguments."""
+    import shlex
+
+    return shlex.join(["python", "-m", "kvjax.longctx", *argv])
+
+
 def main(argv=None) -> int:
-    cfg, args = cli_config(LongCtxConfig, "python -m kvjax.longctx", __doc__, argv,
+    cfg, args = cli_config(LongCtxConfig, PROG, __doc__, argv, set_example="problems=8", examples=(
+                               f"{PROG} --config configs/longctx-smollm2-quick.yaml --set problems=2 "
+                               "--set out_dir=runs/longctx/try",
+                               f"{PROG} --config configs/longctx-smollm2-compressed.yaml --report"),
                            extra=lambda ap: (ap.add_argument("--export-problems", metavar="FILE",
                                                              help="write the problems as token ids and stop"),
                                              ap.add_argument("--report", action="store_true",
@@ -41,14 +54,24 @@ def main(argv=None) -> int:
                 f"{L}: " + ", ".join(f"{t} {n}" for t, n in tasks.items()) for L, tasks in tab["complete"].items()))
         else:
             tab = run_longctx(cfg)
+    except KeyboardInterrupt:
+        # every finished batch's records are on disk (ResultsStore appends and fsyncs each batch);
+        # the batch under way is recomputed, a torn last line dropped on resume
+        print(f"\n{PROG}: interrupted; every finished batch is stored in {cfg.out_dir}, nothing stored is lost, "
+              f"and the run is resumable: {resume_command(sys.argv[1:] if argv is None else argv)}", file=sys.stderr)
+        return 130
     except (RuntimeError, ValueError, FileNotFoundError) as e:
-        print(f"python -m kvjax.longctx: {e}", file=sys.stderr)
+        hint = path_hint(args.config) if isinstance(e, FileNotFoundError) else ""
+        print(f"{PROG}: {e}{hint}", file=sys.stderr)
         return 1
     names = list(dict.fromkeys(["dense", *cfg.policies, *cfg.learned]))
     md = markdown(tab, cfg, names)
     out = Path(cfg.out_dir)
     (out / "table.md").write_text(md + "\n")
     (out / "summary.json").write_text(json.dumps(to_json(tab), indent=1))
+    # which config wrote this table: results_store's merge prints the --report command that rewrites it
+    (out / "report.json").write_text(json.dumps({"config": args.config,
+                                                 "set": [s for s in args.set if not s.startswith("out_dir=")]}))
     print(md)
     from kvjax.longctx.plots import write_figures
     from kvjax.longctx.run import SETTING

@@ -57,6 +57,12 @@ def report(cfg: LongCtxConfig) -> dict:
     return {**table(records, names, cfg), "records": records, "complete": complete}
 
 
+def length_label(tokens: int) -> str:
+    """A column's length: ``1k``, ``4k`` for whole multiples of 1024 tokens, else the token count
+    (``512``, ``1536``)."""
+    return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
+
+
 def _mean_se(cell) -> str:
     """A task-average cell ``(mean, se, tasks)`` as ``"mean ± se"``; empty when missing."""
     return f"{cell[0]:.1%} ± {cell[1]:.1%}" if cell else ""
@@ -67,7 +73,7 @@ def overview(tab: dict, cfg: LongCtxConfig, names) -> str:
     ± SE; a length appears once its every solvable task has records."""
     cols = [(L, c) for L in cfg.lengths for c in cfg.compressions
             if any(k[0] == L and k[1] == c for k in tab["average"])]
-    out = ["| policy | " + " | ".join(f"{L // 1024}k, {c:.0%}" for L, c in cols) + " |",
+    out = ["| policy | " + " | ".join(f"{length_label(L)}, {c:.0%}" for L, c in cols) + " |",
            "|---|" + "---|" * len(cols)]
     for p in names:
         cells = [_mean_se(tab["average"].get((L, 0.0 if p == "dense" else c, p))) for L, c in cols]
@@ -127,7 +133,7 @@ def winners(tab: dict, cfg: LongCtxConfig, names) -> str:
                 return f"{100 * m:+.1f} ± {100 * se:.1f}"
 
             two = len(rank) > 1
-            row = [f"{L // 1024}k, {c:.0%}", cell(rank[0]), cell(rank[1]) if two else "",
+            row = [f"{length_label(L)}, {c:.0%}", cell(rank[0]), cell(rank[1]) if two else "",
                    margin(rank[0], rank[1]) if two else ""]
             best_l = next((p for p in rank if p in learned), None)
             best_h = next((p for p in rank if p in heuristics), None)

@@ -102,6 +102,22 @@ class LongCtxConfig:
                              f"prefill: compressed (with prefill: {self.prefill} the whole prompt is under the budget)")
         if min(self.problems, self.batch_size, self.max_new, *self.batch_at.values(), *self.problems_at.values()) < 1:
             raise ValueError("problems, batch_size, max_new and every problems_at / batch_at value must be >= 1")
+        if not self.tasks or not self.lengths or not self.compressions:
+            raise ValueError("tasks, lengths and compressions each need at least one entry")
+        for n in self.lengths:
+            if not isinstance(n, int) or n < 256:
+                raise ValueError(f"lengths: {n} is too short for a long-context problem (at least 256 tokens)")
+        for name in ("lengths", "compressions", "tasks", "policies"):
+            seen = getattr(self, name)
+            if len(set(seen)) != len(seen):
+                raise ValueError(f"{name}: {next(x for x in seen if seen.count(x) > 1)!r} is listed twice")
+        for name in ("problems_at", "batch_at"):
+            stray = [n for n in getattr(self, name) if n not in self.lengths]
+            if stray:
+                raise ValueError(f"{name}: {stray[0]} is not one of lengths ({', '.join(map(str, self.lengths))})")
+        from kvjax.longctx.checks import check_policy_names
+
+        check_policy_names(self.policies, self.learned, ORACLES)
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
@@ -128,7 +144,6 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from tqdm import tqdm
 
     import kvjax
-    from kvjax.evaluation.budgets import rebudget
     from kvjax.evaluation.oracle import oracle_priorities, prefill_oracle_priorities
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.policies import make_policy
@@ -137,17 +152,23 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
     from kvjax.export import config_hash
     from kvjax.host_memory import release_free_memory
+    from kvjax.longctx.checks import check_learned
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
     from kvjax.sampling import bucket
     from kvjax.text import stop_token_ids
 
+    check_learned(cfg)                  # before the model loads: a wrong folder costs nothing
     folder = Path(cfg.model_dir) if cfg.model_dir else None
     if model is None or tokenizer is None:
         folder = folder or ensure_model()
     model = model or kvjax.load_hf(folder)
     tok = tokenizer or transformers.AutoTokenizer.from_pretrained(folder)
     stops = np.asarray(stop_token_ids(model, tok), np.int32)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and max(cfg.lengths) + cfg.max_new > limit:
+        raise ValueError(f"lengths: {max(cfg.lengths)} tokens + max_new {cfg.max_new} exceed the model's "
+                         f"max_position_embeddings={limit}")
     learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
     names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
     gen = Generator(tok)
@@ -251,7 +272,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 for name in names[1:]:
                     if name in learned:
                         rule = cfg.learned_budgets.get(name, "uniform")
-                        make = functools.partial(rebudget, learned[name], dataclasses.replace(ev, budgets=rule),
+                        make = functools.partial(learned[name].at_budget, dataclasses.replace(ev, budgets=rule),
                                                  context=length)
                     elif name in ORACLES:
                         make = lambda n=name, e=ev: make_policy(n, e, params=oracle(ORACLES[n]))   # noqa: E731

@@ -13,16 +13,39 @@ from kvjax.scorer_fit.features import FeatureConfig, build_features
 from kvjax.scorer_fit.fit import FitConfig, fit_scorers
 
 COMMANDS = {"features": (FeatureConfig, build_features), "fit": (FitConfig, fit_scorers)}
+PROG = "python -m kvjax.scorer_fit"
+EXAMPLES = {"features": ("max_traces=8", f"{PROG} features --config configs/features-smollm2.yaml --set max_traces=8 "
+                                         "--set out_dir=runs/features/try"),
+            "fit": ("steps=20", f"{PROG} fit --config configs/scorers-smollm2.yaml --set features_dir=runs/features/try "
+                                "--set steps=20 --set out_dir=runs/scorers/try")}
+USAGE = f"""usage: {PROG} {{features,fit}} [--config X.yaml] [--set key=value ...] [--list-keys]
+
+A KVpop scorer fitted on the model's own traces (python -m kvjax.traces), in two steps:
+
+commands:
+  features  the teacher-feature pass over the trace splits: each trace's per-layer [k; v] and
+            future-attention targets, once, memory-mapped (resumable)
+  fit       a scorer-only KVpop fit on those features, evaluated on the valid split and exported
+            as out_dir/export (kvjax.load_scorers reads it)
+
+Both print a JSON summary. {PROG} COMMAND --help: that command's options.
+
+examples:
+  {EXAMPLES["features"][1]}
+  {EXAMPLES["fit"][1]}"""
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m kvjax.scorer_fit {{{'|'.join(COMMANDS)}}} --config X.yaml [--set key=value ...]",
-              file=sys.stderr)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"{PROG}: error: unknown command {argv[0]!r}: choose features or fit ({PROG} --help)", file=sys.stderr)
         return 2
     schema, run = COMMANDS[argv[0]]
-    cfg, _ = cli_config(schema, f"python -m kvjax.scorer_fit {argv[0]}", __doc__, argv[1:])
+    set_example, example = EXAMPLES[argv[0]]
+    cfg, _ = cli_config(schema, f"{PROG} {argv[0]}", __doc__, argv[1:], set_example=set_example, examples=(example,))
     try:
         summary = run(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

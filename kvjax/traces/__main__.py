@@ -13,7 +13,8 @@ from kvjax.traces.run import TraceConfig, generate_traces
 
 
 def main(argv=None) -> int:
-    cfg, _ = cli_config(TraceConfig, "python -m kvjax.traces", __doc__, argv)
+    cfg, _ = cli_config(TraceConfig, "python -m kvjax.traces", __doc__, argv, set_example="num_traces=16", examples=(
+        "python -m kvjax.traces --config configs/traces-smollm2.yaml --set num_traces=16 --set out_dir=runs/traces/try",))
     try:
         summary = generate_traces(cfg)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

@@ -67,13 +67,17 @@ def test_duo_budgets_total_the_uniform_budget_and_favour_large_gates(topk, cap):
 def test_export_loads_back_and_needs_a_cap(tiny, tmp_path):
     gates = np.random.RandomState(3).rand(2, 2).astype(np.float32)
     out = export_gates(gates, tmp_path / "duo", sinks=2, window=8, base_config=tiny.config)
-    pol = kvjax.load_scorers(out, model=tiny)
-    assert pol.name == "duo_attention"
+    pol = kvjax.load_scorers(out, model=tiny)                      # 75% of each prompt evicted
+    assert pol.name == "duo_attention" and pol.compression == 0.75
     np.testing.assert_array_equal(np.asarray(pol.params["gates"]), gates)
+    with pytest.raises(ValueError, match="exported without a long-range budget"):
+        kvjax.load_scorers(out, model=tiny, compression=None)
+    assert kvjax.generate(tiny, [[5, 6, 7] * 10], 2, policy=pol, eos_token_id=[]).shape == (1, 32)
     with pytest.raises(ValueError, match="set EvictionConfig.k_max"):
-        kvjax.generate(tiny, [[5, 6, 7]], 2, policy=pol, eos_token_id=[])
+        dataclasses.replace(pol.at_budget(kvjax.EvictionConfig(2, 8, 4), context=30),
+                            config=kvjax.EvictionConfig(2, 8, 4)).effective()
     ev = kvjax.EvictionConfig(sinks=2, window=8, topk=4, k_max=8)
-    capped = dataclasses.replace(pol, config=ev)
+    capped = pol.at_budget(ev)
     b = np.asarray(capped.head_budgets(capped.params, tiny.config, 1))[:, 0]
     assert sorted(b.reshape(-1).tolist()) == [0, 0, 8, 8]
     assert b.reshape(-1)[np.argsort(-gates.reshape(-1))[:2]].tolist() == [8, 8]
@@ -98,12 +102,11 @@ def test_passkey_sequences_end_with_the_keys_they_hide():
 @pytest.mark.integration        # a training and evaluation run: make test, not the test-fast loop
 def test_run_duo_on_the_testbed_and_the_evaluations_cap(tmp_path):
     """``testbed:`` trains the gates on testbed problems (the lookups and the answer line in the
-    loss); the evaluations' ``rebudget`` gives retrieval heads the whole context as their cap."""
+    loss); ``at_budget`` gives retrieval heads the whole context as their cap."""
     from flax import nnx
 
     from kvjax.data import VOCAB_SIZE
     from kvjax.duo.train import run_duo
-    from kvjax.evaluation.budgets import rebudget
 
     cfg_m = kvjax.ModelConfig("llama", VOCAB_SIZE, 32, 64, 2, 4, 2, 16, max_position_embeddings=256)
     model = kvjax.Decoder(cfg_m, rngs=nnx.Rngs(0))
@@ -114,9 +117,9 @@ def test_run_duo_on_the_testbed_and_the_evaluations_cap(tmp_path):
     assert len(out["history"]) == 2 and np.asarray(out["gates"]).shape == (2, 2)
     pol = kvjax.load_scorers(tmp_path / "out", model=model)
     ev = kvjax.EvictionConfig(sinks=4, window=8, topk=20)
-    assert rebudget(pol, ev, context=160).config.k_max == 148
-    with pytest.raises(ValueError, match="needs the context length"):
-        rebudget(pol, ev)
+    assert pol.at_budget(ev, context=160).config.k_max == 148
+    with pytest.raises(ValueError, match="give the context length"):
+        pol.at_budget(ev)
     with pytest.raises(ValueError, match="length 64 is shorter than the testbed's problems"):
         DuoConfig(length=64, testbed=tb)
     with pytest.raises(ValueError, match="testbed training needs model_dir"):

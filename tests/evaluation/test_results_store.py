@@ -105,3 +105,78 @@ def test_merge_adds_the_missing_records_once_and_refuses_another_evaluation(tmp_
         merge_into(a, b)
     held.close()
     assert len(ResultsStore(a, RUN, policies=POLICIES).records) == 13        # nothing half-written
+
+
+def test_a_closed_store_leaves_no_lock_file(tmp_path):
+    _filled(tmp_path)
+    assert not (tmp_path / ".lock").exists()
+    st = ResultsStore(tmp_path, RUN, policies=POLICIES)
+    assert (tmp_path / ".lock").read_text() == str(__import__("os").getpid())
+    st.close()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_merging_a_folder_into_itself_is_refused_and_leaves_no_lock(tmp_path):
+    from kvjax.evaluation.results_store import merge_into
+
+    _filled(tmp_path / "a")
+    for dst in (tmp_path / "a", tmp_path / "a" / ".." / "a"):
+        with pytest.raises(ValueError, match="are the same folder: nothing to merge"):
+            merge_into(dst, tmp_path / "a")
+    assert not (tmp_path / "a" / ".lock").exists()
+    assert len(ResultsStore(tmp_path / "a", RUN, policies=POLICIES).records) == 9      # free, intact
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_merge_into_a_new_or_empty_folder_takes_the_sources_fingerprint(tmp_path, made):
+    from kvjax.evaluation.results_store import merge_into
+
+    _filled(tmp_path / "a")
+    dst = tmp_path / "new"
+    if made:
+        dst.mkdir()
+    assert merge_into(dst, tmp_path / "a") == 9
+    assert json.loads((dst / "fingerprint.json").read_text()) == {"run": RUN, "policies": POLICIES}
+    assert len(ResultsStore(dst, RUN, policies=POLICIES).records) == 9
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="no fingerprint.json"):      # not empty, not a results folder
+        merge_into(junk, tmp_path / "a")
+
+
+def test_the_merge_cli_marks_the_table_stale_and_prints_the_report_command(tmp_path):
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from kvjax.evaluation.results_store import STALE
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    _filled(a)
+    st = ResultsStore(b, RUN, policies=POLICIES)
+    st.add([{"key": record_key(2, 0.75, "dense", 0), "v": 1}])
+    st.close()
+    (a / "table.md").write_text("| policy | 1k, 75% |\n")
+    (a / "report.json").write_text(json.dumps({"config": "configs/longctx-x.yaml", "set": ["lengths=[1024]"]}))
+
+    def merge(*args):
+        return subprocess.run([sys.executable, "-m", "kvjax.evaluation.results_store", *map(str, args)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+    res = merge(b, a)
+    assert res.returncode == 0, res.stderr
+    want = ["python", "-m", "kvjax.longctx", "--config", "configs/longctx-x.yaml", "--set", f"out_dir={a}", "--report"]
+    lines = res.stdout.strip().splitlines()
+    assert lines[0] == f"added 1 records of {b} to {a}" and "table.md (and the figures) are stale" in lines[1]
+    assert shlex.split(lines[2].split(" (the last run")[0]) == want and "--set lengths=[1024]" in lines[2]
+    table = (a / "table.md").read_text()
+    assert table.startswith(STALE) and shlex.split(table.splitlines()[0].split("`")[1]) == want
+    assert table.endswith("| policy | 1k, 75% |\n")
+    same = merge(a, a)
+    assert same.returncode == 1 and same.stderr.strip().splitlines() == [
+        f"python -m kvjax.evaluation.results_store: {a} and {a} are the same folder: nothing to merge (name the folder "
+        "whose records are added first, then the folder that receives them)"]
+    assert not (a / ".lock").exists()

@@ -150,3 +150,40 @@ def test_list_keys_prints_every_key_with_default_and_meaning():
     assert {"optim.lr", "eviction.window", "data.testbed", "log.tensorboard", "mesh.fsdp"} <= set(rows)
     assert "0.003" in rows["optim.lr"] and "# peak learning rate" in rows["optim.lr"]
     assert all("#" in line for line in rows.values()), [k for k, v in rows.items() if "#" not in v]
+
+
+def test_a_configs_relative_paths_are_found_from_another_directory(tmp_path, monkeypatch):
+    """A relative path in a config file that is not there from the current directory is taken
+    from the config's root (the folder holding its configs/ folder); one that exists nowhere yet
+    (an out_dir) and --set values stay relative to the current directory."""
+    from pathlib import Path
+
+    root = tmp_path / "repo"
+    (root / "configs").mkdir(parents=True)
+    (root / "assets" / "teacher").mkdir(parents=True)
+    (root / "configs" / "x.yaml").write_text("steps: 3\nmodel: {hf_path: assets/teacher}\nout_dir: runs/x\n")
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "assets" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(TrainConfig, root / "configs" / "x.yaml")
+    assert (cfg.model.hf_path, cfg.out_dir) == (str(root / "assets" / "teacher"), "runs/x")
+    cfg = load_config(TrainConfig, root / "configs" / "x.yaml", ["model.hf_path=assets/mine"])
+    assert cfg.model.hf_path == "assets/mine"
+    (elsewhere / "assets" / "teacher").mkdir()          # there from here too: the current directory wins
+    assert load_config(TrainConfig, root / "configs" / "x.yaml").model.hf_path == "assets/teacher"
+    monkeypatch.chdir(root)                              # from the root: nothing changes
+    assert load_config(TrainConfig, Path("configs/x.yaml")).model.hf_path == "assets/teacher"
+
+
+def test_train_dry_run_of_a_shipped_config_works_from_another_directory(tmp_path, monkeypatch, capsys):
+    from kvjax.train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = os.path.join(ROOT, "configs", "testbed-distill-kvpop.yaml")
+    assert main(["--dry-run", "--config", config]) == 0
+    assert "per device: parameters" in capsys.readouterr().out
+    assert main(["--dry-run", "--config", config, "--set", "model.hf_path=assets/nothere"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"train.py: error: assets/nothere: not a model folder (a relative path in {config} is taken from "
+                   f"the current directory, {tmp_path}, or, when it is not there, from {ROOT}; --set paths from "
+                   "the current directory)"]

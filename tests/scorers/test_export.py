@@ -148,7 +148,7 @@ def test_lkv_round_trip_budgets_and_pytorch_reference(tmp_path):
     heads.w2.set_value(jnp.asarray(np.random.RandomState(4).randn(16).astype(np.float32)))
     ev = EvictionConfig(sinks=1, window=W, topk=6, k_max=10)
     policy = lkv_policy(heads, LKVTokenScorer(L, K, D, 16, rngs=nnx.Rngs(5)), ev)
-    back = load_scorers(export_scorers(policy, tmp_path / "lkv"))
+    back = load_scorers(export_scorers(policy, tmp_path / "lkv"), compression=None)
     assert isinstance(back, LKV) and back.config == ev
     np.testing.assert_array_equal(np.asarray(back.params["budgets"]), np.asarray(policy.params["budgets"]))
     rs = np.random.RandomState(1)
@@ -161,7 +161,7 @@ def test_lkv_round_trip_budgets_and_pytorch_reference(tmp_path):
         h = torch.nn.functional.silu(torch.einsum("skx,kxf->skf", x, tensors["lkv.w1"][layer]) + tensors["lkv.b1"][layer])
         np.testing.assert_allclose(u, torch.einsum("skf,kf->ks", h, tensors["lkv.w2"][layer]).numpy(), atol=1e-5)
     combo = lkv_budgets_policy(heads, MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3)), ev)
-    back = load_scorers(export_scorers(combo, tmp_path / "combo"))
+    back = load_scorers(export_scorers(combo, tmp_path / "combo"), compression=None)
     assert isinstance(back, LKVBudgetsKVpopMLSTM)
     np.testing.assert_array_equal(np.asarray(back.params["budgets"]), np.asarray(combo.params["budgets"]))
     meta = json.loads((tmp_path / "combo" / "scorer_config.json").read_text())
@@ -182,7 +182,7 @@ def test_combine_lkv_budgets_with_a_kvpop_mlstm_export(tmp_path):
     kvpop = from_scorer(MLSTMScorer(L, K, D, 8, rngs=nnx.Rngs(3)), EvictionConfig(sinks=1, window=W, topk=9))
     out = combine_lkv_budgets(export_scorers(lkv, tmp_path / "lkv"), export_scorers(kvpop, tmp_path / "kv"),
                               tmp_path / "combo")
-    combo = load_scorers(out)
+    combo = load_scorers(out, compression=None)
     assert isinstance(combo, LKVBudgetsKVpopMLSTM) and combo.config == ev
     np.testing.assert_array_equal(np.asarray(combo.params["budgets"]), np.asarray(lkv.params["budgets"]))
     rs = np.random.RandomState(2)

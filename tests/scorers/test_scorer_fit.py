@@ -117,7 +117,7 @@ def test_fit_learns_and_exports_loadable_scorers(model, features, tmp_path, scor
     assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
     v = s["valid"]
     assert np.asarray(v["recall_by_head"]).shape == (2, 2) and 0 <= v["recall_mean"] <= 1
-    policy = kvjax.load_scorers(tmp_path / "fit" / "export", model=model)
+    policy = kvjax.load_scorers(tmp_path / "fit" / "export", model=model, compression=None)
     assert policy.name == f"kvpop_{scorer}" and policy.config.window == WINDOW and policy.config.topk == 8
     out = kvjax.generate(model, [[1, 2, 3] * 10], 6, policy=policy)    # runs as an eviction policy
     assert out.shape == (1, 36)

@@ -1,7 +1,7 @@
 """Each ``pallas_kernels`` op against its XLA reference, in one run, on whatever device JAX sees:
 
-    python bench/kernels.py                      # S = 4k, 16k, 64k; budget 2048; Qwen3-8B-like heads
-    python bench/kernels.py --lengths 1024 2048 --heads 4 --kv-heads 2 --head-dim 64   # a quick CPU check
+    python bench/kernel_speed.py                  # S = 4k, 16k, 64k; budget 2048; Qwen3-8B-like heads
+    python bench/kernel_speed.py --lengths 1024 2048 --heads 4 --kv-heads 2 --head-dim 64   # a quick CPU check
 
 Per sequence length: median seconds (after compilation) of the sparse attention forward,
 forward + backward, the transposed target and one decode step over a budget-``B`` cache,
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="auto", choices=pk.BACKENDS)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="bench/kernels.json")
+    ap.add_argument("--out", default="bench/kernel_speed.json")
     args = ap.parse_args(argv)
     kernel = pk.resolve_backend(args.backend)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"
