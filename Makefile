@@ -78,7 +78,7 @@ longctx: real-model
 # quick slice: make kvpress-compare LONGCTX=configs/longctx-smollm2-quick.yaml KVPRESS_SET=
 #   KVPRESS_OUT=runs/kvpress-quick KVJAX_STORE=runs/longctx/smollm2-quick
 KVPRESS_VENV := .venv-kvpress
-KVPRESS_PRESSES ?= none streaming_llm snapkv tova knorm pyramidkv adakv_snapkv keydiff expected_attention
+KVPRESS_PRESSES ?= none streaming_llm snapkv tova knorm pyramidkv adakv_snapkv keydiff expected_attention kvzip
 KVPRESS_COMPRESSIONS ?= 0.75 0.88
 KVPRESS_SET ?= --set "lengths=[1024]" --set problems=32 --set "tasks=[niah_noise, niah_text, niah_multikey]"
 KVPRESS_OUT ?= results/kvpress/smollm2-1k

@@ -24,7 +24,6 @@ Protocol (kvpress's "question-agnostic" setting, as in ``kvpress/pipeline.py``
    output; ``any`` = 1 if any is.
 
 ``none`` runs once per problem, recorded with compression 0.0 (the dense baseline column).
-
 Press knobs (kvpress 0.5.5 parameter names; ``--window W --kernel K --sinks S``):
 
 ======================  =====================================================================
@@ -43,6 +42,7 @@ adakv_snapkv            ``AdaKVPress(SnapKVPress(compression_ratio, window_size=
 keydiff                 ``KeyDiffPress(compression_ratio)``; no knobs
 expected_attention      ``ExpectedAttentionPress(compression_ratio, n_sink=S)``,
                         ``n_future_positions=512``, covariance and value-norm on (defaults)
+kvzip                   ``KVzipPress(compression_ratio)``: n_sink 4, 2048-token chunks, global top-k
 ======================  =====================================================================
 
 How kvpress 0.5.5 picks the kept set (read from its source; matters when comparing with kvjax):
@@ -94,7 +94,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 PRESSES = ("none", "streaming_llm", "snapkv", "tova", "knorm", "pyramidkv", "adakv_snapkv", "keydiff",
-           "expected_attention")
+           "expected_attention", "kvzip")
 WINDOWED = ("snapkv", "pyramidkv", "adakv_snapkv")      # SnapKV asserts len(context) > window
 SETTINGS = ("model", "max_new", "window", "kernel", "sinks")
 
@@ -224,6 +224,8 @@ def make_press(name: str, compression: float, args):
         return kp.KeyDiffPress(compression_ratio=c)
     if name == "expected_attention":
         return kp.ExpectedAttentionPress(compression_ratio=c, n_sink=args.sinks)
+    if name == "kvzip":
+        return kp.KVzipPress(compression_ratio=c)
     raise ValueError(name)
 
 

@@ -1,6 +1,6 @@
 """kvjax's and kvpress's rows together, problem by problem, on the same token ids.
 
-    python bench/kvpress_side_by_side.py --kvjax runs/longctx/smollm2-1k-compressed \\
+    python bench/kvpress_side_by_side.py --kvjax runs/longctx/smollm2-1k-compressed [more folders] \\
         --kvpress runs/kvpress-compare [--out docs/kvpress-side-by-side.md]
 
 ``--kvjax``: a ``python -m kvjax.longctx`` folder run with ``prefill: compressed`` (kvpress's
@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 SAME_METHOD = {"dense": "none", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",
-               "knorm": "knorm", "pyramidkv": "pyramidkv", "adakv": "adakv_snapkv"}
+               "knorm": "knorm", "pyramidkv": "pyramidkv", "adakv": "adakv_snapkv", "keydiff": "keydiff",
+               "kvzip": "kvzip"}
 
 
 def _read(path: Path) -> list[dict]:
@@ -106,11 +107,13 @@ def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kvjax", type=Path, required=True, help="python -m kvjax.longctx output folder")
+    ap.add_argument("--kvjax", type=Path, required=True, nargs="+",
+                    help="python -m kvjax.longctx output folders (their records together)")
     ap.add_argument("--kvpress", type=Path, required=True, help="bench/kvpress_compare.py output folder")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
-    ours, theirs = _read(args.kvjax / "problems.jsonl"), _read(args.kvpress / "records.jsonl")
+    ours = [r for folder in args.kvjax for r in _read(folder / "problems.jsonl")]
+    theirs = _read(args.kvpress / "records.jsonl")
     md = (side_by_side(ours, theirs) + "\n\n**Every kvjax policy and every kvpress press**\n\n"
           + every_row(ours, theirs))
     if args.out:

@@ -306,6 +306,8 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     policy = resolve_policy(policy, S, compression)
     if hasattr(policy, "check_model"):
         policy.check_model(cfg)
+    if hasattr(policy, "prepare"):             # a ranker with a pass of its own (KVzip's reconstruction)
+        policy = policy.prepare(model, tokens, lengths)
     S_b, N_b = (bucket(S), bucket(max_new)) if bucket_lengths else (S, max_new)
     padded = np.full((tokens.shape[0], S_b), pad_token_id, np.int32)
     padded[:, :S] = tokens

@@ -251,6 +251,13 @@ class AttentionStatistic(BoundedPolicy):
         (:func:`kvjax.eviction.attention.statistic_scores`)."""
         raise NotImplementedError(f"policy {self.name!r} defines no prefill_scores()")
 
+    def prefill_statistic(self, q_BSHD, k_BSKD, lengths_B) -> jax.Array:
+        """``float32 [B, K, S]``: the statistic of each prompt token (only ``t < n_b`` is used):
+        :meth:`prefill_scores` over the attention of the rows it reads, in blocks. A statistic
+        of the keys alone (KeyDiff) overrides this instead."""
+        return statistic_scores(q_BSHD, k_BSKD, lengths_B, self.score_rows, self.prefill_scores,
+                                columnwise=self.columnwise)
+
     def update_scores(self, scores_BKN, probs_BKN):
         """The per-slot statistic after one decode step's attention probabilities ``[B, K, N]``."""
         raise NotImplementedError(f"policy {self.name!r} defines no update_scores()")
@@ -291,7 +298,7 @@ class AttentionStatistic(BoundedPolicy):
     def _prefill(self, params, layer, q, k, v, positions, cache):
         ev, buf = self.effective(), cache.layers[layer]
         out, _ = dense_attention(q, k, v, positions, positions, prefill=True)   # the prompt from position 0
-        score = statistic_scores(q, k, cache.lengths, self.score_rows, self.prefill_scores, columnwise=self.columnwise)
+        score = self.prefill_statistic(q, k, cache.lengths)
         if ev.budgets == "adakv":       # the prompt's candidates over all heads set each head's budget
             t = jnp.arange(score.shape[-1])[None, None, :]
             candidate = (t >= ev.sinks) & (t <= (cache.lengths - 1 - ev.window)[:, None, None])

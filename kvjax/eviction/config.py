@@ -12,6 +12,8 @@ from typing import ClassVar
 DEFAULT_COMPRESSION = 0.75
 DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32
+# how the long-range slots are split across layers and heads (EvictionConfig.budgets)
+BUDGET_RULES = ("uniform", "pyramid", "adakv", "shares", "global", "layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +40,10 @@ class EvictionConfig:
       candidates of all heads, from the ranker's scores); ``pyramid_beta`` and ``adakv_alpha``
       are their parameters (the papers' defaults 20 and 0.2); ``"shares"`` (a fixed split, e.g. a
       diagnostic: head ``(l, k)`` gets ``floor(head_shares[l][k] * topk)`` slots, at most ``k_max``;
-      shares of mean 1 keep the uniform total, a large share keeps that head's whole context).
+      shares of mean 1 keep the uniform total, a large share keeps that head's whole context);
+      ``"global"`` (one top-k over all layers and heads, KVzip's) and ``"layer"`` (one per layer
+      over its heads): prefill compression, for rankers whose priorities are known before the pass
+      (KVzip, the oracles).
     """
 
     sinks: int = 4                       # first tokens always kept
@@ -78,8 +83,8 @@ class EvictionConfig:
             raise ValueError(f"{c}.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"{c}.prefill_chunk must be a non-negative integer, got {self.prefill_chunk!r}")
-        if self.budgets not in ("uniform", "pyramid", "adakv", "shares"):
-            raise ValueError(f"{c}.budgets must be 'uniform', 'pyramid', 'adakv' or 'shares', got {self.budgets!r}")
+        if self.budgets not in BUDGET_RULES:
+            raise ValueError(f"{c}.budgets must be one of {', '.join(map(repr, BUDGET_RULES))}, got {self.budgets!r}")
         if (self.budgets == "shares") != (self.head_shares is not None):
             raise ValueError(f"{c}.head_shares: give it exactly when budgets='shares' (budgets={self.budgets!r})")
         if self.head_shares is not None:

@@ -16,6 +16,8 @@ attention followed by selection, as kvpress does.
 | oracle_union   | given, like ``oracle``; by convention the better of the two ranks above |
 | oracle_values  | given, like ``oracle``; the testbed's fact values first (a diagnostic)  |
 | tova           | attention from the latest query (mean over the KV head's group)        |
+| kvzip          | the most attention a token gets while the model repeats its context (:mod:`kvjax.eviction.kvzip`; prefill compression) |
+| keydiff        | ``-cos(k_t, mean normalised key)``, the anchor over the context, or the slots held (:mod:`kvjax.eviction.keydiff`) |
 | h2o            | attention accumulated over all queries so far                          |
 | pyramidkv      | SnapKV's, with PyramidKV's layer budgets (:mod:`kvjax.eviction.budgets`)  |
 | adakv          | SnapKV's, with Ada-KV's per-head split from the scores                  |
@@ -83,6 +85,7 @@ class Oracle(StaticPriority):
     teacher's log future-attention mass, :func:`kvjax.future_attention_target`)."""
 
     name: ClassVar[str] = "oracle"
+    table_priorities: ClassVar[bool] = True       # known before the pass: budgets may span layers
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if params is None:
@@ -210,7 +213,7 @@ class AdaKV(SnapKV):
         return dataclasses.replace(c, budgets="adakv", k_max=2 * c.topk if c.k_max is None else c.k_max)
 
 
-from kvjax.eviction import dms, duo_attention, learned, lkv_policies  # noqa: E402,F401  (they register the learned policies)
+from kvjax.eviction import dms, duo_attention, keydiff, kvzip, learned, lkv_policies  # noqa: E402,F401  (they register their policies)
 
 
 

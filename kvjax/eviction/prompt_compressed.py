@@ -34,13 +34,14 @@ together (:func:`adakv_keep_context`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache import CompressedCache, DenseCache, dense_cache_attention
-from kvjax.eviction.attention import statistic_scores
 from kvjax.eviction.bounded import BoundedPolicy
 from kvjax.eviction.budgets import adakv_select
 from kvjax.eviction.fenwick import token_ranks
@@ -65,6 +66,27 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     keep_BK = keep[:, None] if keep.ndim == 1 else keep
     n_top = jnp.maximum(keep_BK - sinks - window, 0)[:, :, None]
     return protected | (eligible & (rank < n_top))
+
+
+def shared_keep_context(prio_LBKS, context_B, keep_B, *, sinks: int, window: int, scope: str) -> jax.Array:
+    """``bool [L, B, K, S]``: every head's sinks and last ``window`` context tokens, and the best
+    ``L K (c_b - s - w)`` other context tokens of all layers and heads together (``scope="global"``)
+    or ``K (c_b - s - w)`` of each layer's heads (``"layer"``); ``keep_B`` is ``c_b``. Ties: the
+    later token (in layer, head, position order)."""
+    L, B, K, S = prio_LBKS.shape
+    protected, eligible = _context_sets(S, context_B, sinks, window)                  # [B, 1, S]
+    prio = jnp.where(eligible[:, None], jnp.moveaxis(prio_LBKS, 0, 1), jnp.nan)      # [B, L, K, S]
+    n_top = jnp.maximum(jnp.asarray(keep_B) - sinks - window, 0)                      # [B]
+    if scope == "global":
+        rank = token_ranks(prio.reshape(B, 1, L * K * S)).reshape(B, L, K, S)
+        top = rank < (L * K * n_top)[:, None, None, None]
+    elif scope == "layer":
+        rank = token_ranks(prio.reshape(B, L, K * S)).reshape(B, L, K, S)
+        top = rank < (K * n_top)[:, None, None, None]
+    else:
+        raise ValueError(f"shared_keep_context: scope must be 'global' or 'layer', got {scope!r}")
+    kept = protected[:, None] | (eligible[:, None] & top)
+    return jnp.moveaxis(kept, 1, 0)
 
 
 def adakv_keep_context(prio_BKS, context_B, keep_BK, *, sinks: int, window: int, alpha: float) -> jax.Array:
@@ -108,11 +130,57 @@ class PromptCompressed:
     def check_model(self, cfg) -> None:
         self.ranker.check_model(cfg)
 
+    @property
+    def shared_budget(self) -> bool:
+        """One top-k over all layers (``budgets="global"``) or each layer's heads (``"layer"``)."""
+        return self.ranker.effective().budgets in ("global", "layer")
+
+    def prepare(self, model, tokens_BS, lengths_B) -> "PromptCompressed":
+        """A ranker that scores its context by a pass of its own (KVzip's reconstruction) runs it
+        on a dense prefill of the contexts (``kvjax.generate`` calls this before the prompt)."""
+        if not hasattr(self.ranker, "scored") or self.params["ranker"] is not None:
+            return self
+        from flax import nnx
+
+        from kvjax.sampling import bucket
+
+        n = np.asarray(self.params["context"])
+        contexts = [np.asarray(tokens_BS[b, :n[b]]).tolist() for b in range(len(n))]
+        padded = np.zeros((len(n), bucket(int(n.max()))), np.int32)
+        for b, c in enumerate(contexts):
+            padded[b, :len(c)] = c
+        graphdef, params = nnx.split(model)
+        dense = _context_cache(graphdef, params, jnp.asarray(padded))
+        return self.with_ranker(self.ranker.scored(model, dense.k, dense.v, contexts))
+
+    def with_ranker(self, ranker) -> "PromptCompressed":
+        return dataclasses.replace(self, ranker=ranker, params={**self.params, "ranker": ranker.params})
+
     def init(self, params, cfg, batch: int, max_len: int, dtype, lengths_B) -> CompressedCache:
-        keep = tuple(jnp.ones((batch, cfg.num_kv_heads, max_len), bool) for _ in range(cfg.num_layers))
+        if self.shared_budget:
+            keep = self._shared_keep(params, cfg, max_len)
+        else:
+            keep = tuple(jnp.ones((batch, cfg.num_kv_heads, max_len), bool) for _ in range(cfg.num_layers))
         return CompressedCache(DenseCache.init(cfg, batch, max_len, dtype), keep,
                                self.ranker.head_budgets(params["ranker"], cfg, batch),
                                self.ranker.init_policy_state(params["ranker"], cfg, batch) if self.ranker.static else ())
+
+    def _shared_keep(self, params, cfg, T: int) -> tuple:
+        """Every layer's visible slots under a budget shared across heads (and layers), from the
+        ranker's priority table (known before the pass)."""
+        r = self.ranker
+        if not getattr(r, "table_priorities", False):
+            raise ValueError(f"policy {r.name!r}: budgets={r.effective().budgets!r} ranks all layers together, "
+                             "which needs priorities known before the pass (kvzip, the oracles)")
+        ev, context = r.config, params["context"]
+        table = jnp.stack([r.priority(params["ranker"], layer, None, None,
+                                      jnp.broadcast_to(jnp.arange(T), (context.shape[0], T)))
+                           for layer in range(cfg.num_layers)])                              # [L, B, K, T]
+        total = jnp.round((1.0 - params["ratio"]) * context).astype(jnp.int32)
+        kept = shared_keep_context(table, context, total, sinks=ev.sinks, window=ev.window,
+                                   scope=r.effective().budgets)
+        t = jnp.arange(T)[None, None, :]
+        return tuple((t >= context[:, None, None]) | kept[layer] for layer in range(cfg.num_layers))
 
     def head_keep(self, budgets_BK, context_B, ratio=None) -> jax.Array:
         """``int32 [B, K]``: context tokens each head keeps (sinks + window + its share of the top)."""
@@ -130,8 +198,7 @@ class PromptCompressed:
         if r.static:
             return r.prefill_priority(params["ranker"], layer, k_BSKD, v_BSKD, positions_BS, params["context"],
                                       state)[0]
-        return statistic_scores(q_BSHD, k_BSKD, params["context"], r.score_rows, r.prefill_scores,
-                                columnwise=r.columnwise)
+        return r.prefill_statistic(q_BSHD, k_BSKD, params["context"])
 
     @property
     def statistic_key(self) -> tuple | None:
@@ -142,7 +209,7 @@ class PromptCompressed:
         r = self.ranker
         if r.static:
             return None
-        return (type(r).prefill_scores, r.score_rows, r.config.obs_window, r.config.pool)
+        return (type(r).prefill_statistic, type(r).prefill_scores, r.score_rows, r.config.obs_window, r.config.pool)
 
     def keep_from_priority(self, params, prio_BKS, budgets_BK, T: int) -> jax.Array:
         """``bool [B, K, T]``: the visible slots after the compression: the kept context and every
@@ -158,7 +225,10 @@ class PromptCompressed:
         return (t >= context[:, None, None]) | jnp.pad(kept, ((0, 0), (0, 0), (0, T - kept.shape[-1])))
 
     def layer_keep(self, params, layer: int, q_BSHD, k_BSKD, v_BSKD, positions_BS, cache: CompressedCache):
-        """This layer's :meth:`keep_from_priority` from the prompt's queries, keys and values."""
+        """This layer's :meth:`keep_from_priority` from the prompt's queries, keys and values (under
+        a shared budget: the set :meth:`init` chose)."""
+        if self.shared_budget:
+            return cache.keep[layer]
         prio = self.priority(params, layer, q_BSHD, k_BSKD, v_BSKD, positions_BS,
                              cache.policy_state[layer] if cache.policy_state else None)
         return self.keep_from_priority(params, prio, cache.budgets[layer], cache.keep[layer].shape[-1])
@@ -175,6 +245,18 @@ class PromptCompressed:
                                            visible_BKST=visible, prefill=True)
         keeps = cache.keep[:layer] + (keep,) + cache.keep[layer + 1:]
         return out, cache.replace(dense=dense, keep=keeps)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _context_cache(graphdef, params, tokens_BS) -> DenseCache:
+    """The dense cache of a prefill of ``tokens`` (right padded contexts)."""
+    from flax import nnx
+
+    model = nnx.merge(graphdef, params)
+    B, S = tokens_BS.shape
+    _, cache = model(tokens_BS, None, functools.partial(dense_cache_attention, prefill=True),
+                     DenseCache.init(model.config, B, S, model.dtype))
+    return cache
 
 
 def prompt_compressed(ranker: BoundedPolicy, ratio: float, context_lengths_B) -> PromptCompressed:

@@ -24,6 +24,7 @@ on 2 CPU cores (the decode is compute-bound there), so each policy answers alone
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,7 @@ class ContextPrefill:
     queries: jax.Array | None      # [L, B, S, H, D] (attention-statistic rankers and oracles), or None
     context: jax.Array             # int32 [B]: n_b
     lse: jax.Array | None = None   # float32 [L, B, S, H]: each query's log-sum-exp (kept with the queries)
+    tokens: jax.Array | None = None   # int32 [B, S]: the contexts, right padded (a ranker's own pass reads them)
 
 
 def record_queries(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state, *, prefill: bool = True):
@@ -86,7 +88,7 @@ def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_
     graphdef, params = nnx.split(model)
     dense, queries, lse = _prefill(graphdef, params, jnp.asarray(tokens), cache_len=cache_len,
                                    keep_queries=keep_queries)
-    return ContextPrefill(dense, queries, jnp.asarray(n), lse)
+    return ContextPrefill(dense, queries, jnp.asarray(n), lse, jnp.asarray(tokens))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -120,6 +122,15 @@ def compress(policy: PromptCompressed, model, pre: ContextPrefill, memo: dict | 
     ``S x S`` statistic once for every ratio; SnapKV's for PyramidKV and Ada-KV too)."""
     if not np.array_equal(np.asarray(policy.params["context"]), np.asarray(pre.context)):
         raise ValueError("compress: the policy was built for other context lengths than the prefill's")
+    if hasattr(policy.ranker, "scored") and policy.params["ranker"] is None:   # KVzip: its pass on this prefill
+        key = ("scored", type(policy.ranker), policy.ranker.prompts)
+        if memo is None or key not in memo:
+            n, toks = np.asarray(pre.context), np.asarray(pre.tokens)
+            ranker = policy.ranker.scored(model, pre.dense.k, pre.dense.v, [toks[b, :n[b]].tolist() for b in range(len(n))])
+            if memo is not None:
+                memo[key] = ranker
+        policy = policy.with_ranker(dataclasses.replace(memo[key] if memo is not None else ranker,
+                                                        config=policy.ranker.config))
     prio = None
     if not policy.ranker.static:
         if pre.queries is None:

@@ -111,10 +111,11 @@ class LongCtxConfig:
             seen = getattr(self, name)
             if len(set(seen)) != len(seen):
                 raise ValueError(f"{name}: {next(x for x in seen if seen.count(x) > 1)!r} is listed twice")
-        for name in ("problems_at", "batch_at"):
-            stray = [n for n in getattr(self, name) if n not in self.lengths]
-            if stray:
-                raise ValueError(f"{name}: {stray[0]} is not one of lengths ({', '.join(map(str, self.lengths))})")
+        for name in ("problems_at", "batch_at"):     # a length not run is fine: --set lengths=[...] narrows a run
+            bad = [n for n, v in getattr(self, name).items() if not isinstance(n, int) or n < 256 or v < 1]
+            if bad:
+                raise ValueError(f"{name}: {{{bad[0]}: {getattr(self, name)[bad[0]]}}} needs a length >= 256 and a "
+                                 "count >= 1")
         from kvjax.longctx.checks import check_policy_names
 
         check_policy_names(self.policies, self.learned, ORACLES)

@@ -119,6 +119,12 @@ def test_full_budget_equals_dense_generation(tiny, name):
             gates = jnp.asarray(np.random.RandomState(0).rand(2, 2), jnp.float32)
             return make_policy(name, dataclasses.replace(ev, k_max=2 * ev.topk if ev.topk < 10 else ev.topk),
                                params={"gates": gates})
+        if name == "kvzip":             # a model without a tokenizer: the repeat request's ids given
+            import dataclasses
+
+            from kvjax.eviction.kvzip import RepeatPrompts
+
+            return dataclasses.replace(make_policy(name, ev), prompts=RepeatPrompts(0, (5, 6), (7,), (8, 9)))
         if name == "pyramidkv":         # a cap just above the mean: both layers' budgets cover the sequence
             import dataclasses
 

@@ -62,7 +62,7 @@ def test_ctrl_c_prints_one_resumable_line_and_exits_130(tmp_path, monkeypatch, c
     ("learned={snapkv: x}", "label 'snapkv' is a built-in policy's name"),
     ("lengths=[128]", "lengths: 128 is too short"),
     ("compressions=[0.5, 0.5]", "compressions: 0.5 is listed twice"),
-    ("problems_at={4069: 3}", "problems_at: 4069 is not one of lengths"),
+    ("problems_at={100: 3}", "problems_at: {100: 3} needs a length >= 256 and a count >= 1"),
 ])
 def test_a_bad_config_is_refused_before_anything_runs(override, match, tmp_path, no_model, capsys):
     with pytest.raises(SystemExit) as e:
