@@ -82,7 +82,7 @@ KVPRESS_PRESSES ?= none streaming_llm snapkv tova knorm pyramidkv adakv_snapkv k
 KVPRESS_COMPRESSIONS ?= 0.75 0.88
 KVPRESS_SET ?= --set "lengths=[1024]" --set problems=32 --set "tasks=[niah_noise, niah_text, niah_multikey]"
 KVPRESS_OUT ?= results/kvpress/smollm2-1k
-KVJAX_STORE ?= results/longctx/smollm2-compressed
+KVJAX_STORE ?= results/longctx/smollm2-compressed results/longctx/smollm2-baselines-1k
 $(KVPRESS_VENV)/.installed: bench/kvpress_venv.sh
 	bash bench/kvpress_venv.sh
 	touch $@

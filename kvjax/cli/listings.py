@@ -19,6 +19,10 @@ POLICY_NOTES: dict[str, tuple[str, str]] = {
     "tova": ("attention from the latest query", _BUDGET),
     "h2o": ("attention summed over every query so far", _BUDGET),
     "snapkv": ("attention from an observation window of queries, pooled", f"{_BUDGET}; obs_window, pool"),
+    "keydiff": ("keys least like the head's mean normalised key first (KeyDiff)", _BUDGET),
+    "kvzip": ("the most attention a token gets while the model repeats its context (KVzip)",
+              f"{_BUDGET}; budgets 'global' (default) or 'layer'; prefill compression (kvjax.prompt_compressed) "
+              "or bounded throughout, the prompt scored first; the model's tokenizer"),
     "pyramidkv": ("SnapKV's ranking, layer budgets falling with depth (PyramidKV)",
                   f"{_BUDGET}; k_max (default 2 topk), pyramid_beta"),
     "adakv": ("SnapKV's ranking, per-head budgets split from the scores (Ada-KV)",

@@ -38,7 +38,7 @@ def test_pyramid_and_apportion_refuse_bad_input():
         pyramid_budgets(4, 64, 128, 0.5)
     with pytest.raises(ValueError, match="not the total"):
         apportion([1.5, 2.0], 7)
-    with pytest.raises(ValueError, match="budgets must be 'uniform', 'pyramid', 'adakv' or 'shares'"):
+    with pytest.raises(ValueError, match="budgets must be one of 'uniform', 'pyramid', 'adakv', 'shares', 'global', 'layer'"):
         EvictionConfig(budgets="duo")
     with pytest.raises(ValueError, match="adakv_alpha must be in"):
         EvictionConfig(adakv_alpha=1.5)

@@ -43,6 +43,7 @@ def tiny():
     return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
 
 
+@pytest.mark.integration        # compiles generate several times: make test, not test-fast
 def test_prefill_compression_keeps_what_the_keydiff_ranking_of_the_context_keeps(tiny):
     """The same tokens as the hindsight oracle given KeyDiff's scores of the dense context keys
     (each layer and head ranks its own context, anchor over the context only)."""
@@ -76,6 +77,7 @@ def _stepwise_layer0_positions(graphdef, policy, params, tokens_S):
     return jax.lax.scan(step, state, jnp.arange(tokens_S.shape[0]))[1]
 
 
+@pytest.mark.integration        # compiles generate several times: make test, not test-fast
 def test_bounded_throughout_reranks_against_the_mean_of_the_slots_held(tiny):
     """Layer 0's keys do not depend on what is evicted, so its kept set can be simulated from the
     dense keys: before each step every held slot is scored against the mean normalised key of the

@@ -96,6 +96,7 @@ def test_one_top_k_over_all_layers_and_heads():
                 assert set(np.flatnonzero(chosen)) == set(np.argsort(-scores, kind="stable")[:n_top])
 
 
+@pytest.mark.integration        # compiles generate several times: make test, not test-fast
 def test_kvzip_in_generate_is_the_oracle_of_its_scores_under_a_global_budget(tiny):
     rs = np.random.RandomState(2)
     prompts = [rs.randint(14, 90, 50).tolist(), rs.randint(14, 90, 44).tolist()]
