@@ -77,7 +77,7 @@ How kvpress 0.5.5 picks the kept set (read from its source; matters when compari
 Output: ``OUT/records.jsonl``, one record per (problem, press, compression), appended and flushed
 one at a time; a rerun skips the records already there (resumable; the settings must match). At
 the end a markdown table (rows press, columns compression, mean score +- standard error, N) is
-printed and written to ``OUT/table.md``.
+printed; ``OUT/table.md`` gets the same table over every record in the store.
 """
 from __future__ import annotations
 
@@ -391,9 +391,13 @@ def main(argv=None) -> None:
         log(f"kvpress_compare: ran {len(todo)} in {time.perf_counter() - t_all:.1f}s")
 
     wanted = {key(j[0]["id"], j[1], j[2]) for j in jobs}
-    md_table = table([r for k, r in done.items() if k in wanted], presses, args.compressions)
-    (args.out / "table.md").write_text(md_table + "\n")
-    print(md_table)
+    print(table([r for k, r in done.items() if k in wanted], presses, args.compressions))
+    # The stored table covers every record in the store, not only this run's presses, so a run
+    # that adds one press does not hide the others.
+    stored = list(done.values())
+    stored_presses = list(dict.fromkeys(r["press"] for r in stored))
+    stored_compressions = sorted({r["compression"] for r in stored if r["press"] != "none"})
+    (args.out / "table.md").write_text(table(stored, stored_presses, stored_compressions) + "\n")
 
 
 if __name__ == "__main__":
