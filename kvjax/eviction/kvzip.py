@@ -22,8 +22,10 @@ context is then compressed once (:mod:`kvjax.eviction.prompt_compressed`); the b
 top-k across all layers and heads (``budgets="global"``, the default here) or one per layer
 across its heads (``budgets="layer"``, kvpress's ``layerwise``). The reconstruction reads about
 as many tokens again as the context: about twice a dense prefill's work, measured in
-``docs/real-model.md``. Generated tokens are never scored: KVzip compresses a context, so it runs
-in prefill compression (``kvjax.prompt_compressed``), not bounded throughout.
+``docs/real-model.md``. Generated tokens are never scored: KVzip compresses a context, its setting
+is prefill compression (``kvjax.prompt_compressed``); bounded throughout, the prompt is scored
+before it is fed (:meth:`KVzip.prepare`). ``kvzip_plus``
+(:class:`KVzipPlus`) adds KVzip+'s normalisation (:func:`reconstruction_scores`).
 """
 
 from __future__ import annotations
@@ -99,11 +101,15 @@ class _Replay:
     hi: jax.Array
     length: jax.Array            # int32 [B]: repeat tokens of each row (0: no chunk here)
     scores: jax.Array            # float32 [L, B, K, T]
+    wo: tuple | None = None      # KVzip+: per layer the output projection [H, D, E]
 
 
-def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Replay, *, sinks: int, block: int):
+def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Replay, *, sinks: int, block: int,
+                    hidden_BSE=None):
     """Normal attention of the repeat queries (the whole context + the repeat so far) and, in the
-    same blocks, the scores of the module docstring written into ``st.scores[layer]``."""
+    same blocks, the scores of the module docstring written into ``st.scores[layer]`` (KVzip+'s
+    when ``st.wo`` is given: each weight divided by its query's ``||h_i||`` and multiplied by
+    ``||W_O[g] v_t||``)."""
     B, R, H, D = q_BRHD.shape
     K = k_BRKD.shape[2]
     G = H // K
@@ -119,6 +125,13 @@ def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Repla
     nb = -(-R // block)
     q = jnp.pad(q_BRHD, ((0, 0), (0, nb * block - R), (0, 0), (0, 0))).astype(jnp.float32)
     q = q.reshape(B, nb, block, K, G, D)
+    if st.wo is not None:        # KVzip+: 1 / ||h_i|| per repeat query, ||W_O[k, g] v_t|| per context slot
+        wo = st.wo[layer].astype(jnp.float32).reshape(K, G, D, -1)
+        out_norm = jnp.linalg.norm(jnp.einsum("bktd,kgde->bkgte", ctx_v, wo), axis=-1)          # [B, K, G, T]
+        inv_h = 1.0 / jnp.linalg.norm(hidden_BSE.astype(jnp.float32), axis=-1)                 # [B, R]
+        inv_h = jnp.pad(inv_h, ((0, 0), (0, nb * block - R))).reshape(B, nb, block)
+    else:
+        out_norm, inv_h = jnp.ones((B, K, G, T), jnp.float32), jnp.ones((B, nb, block), jnp.float32)
 
     def one(best, i):
         qb = q[:, i]                                                                           # [B, b, K, G, D]
@@ -139,6 +152,7 @@ def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Repla
         m2 = jnp.maximum(lc_sub.max(-1), lr_m.max(-1))[..., None]
         ps = jnp.exp(lc_sub - m2)
         ps = ps / (ps.sum(-1, keepdims=True) + jnp.exp(lr_m - m2).sum(-1, keepdims=True))
+        ps = ps * inv_h[:, i][:, None, None, :, None] * out_norm[:, :, :, None, :]
         ps = jnp.where(live[:, None, None, :, None] & chunk[:, None, None, None, :], ps, 0.0)
         return jnp.maximum(best, ps.max(axis=(2, 3))), out.reshape(B, block, H, D)
 
@@ -152,14 +166,19 @@ def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Repla
 def _replay(graphdef, params, st: _Replay, tokens_BR, positions_BR, *, sinks: int, block: int) -> jax.Array:
     model = nnx.merge(graphdef, params)
     backend = functools.partial(_replay_backend, sinks=sinks, block=block)
+    backend.takes_hidden = st.wo is not None
     _, st = model(tokens_BR, positions_BR, backend, st)
     return st.scores
 
 
-def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatPrompts, *, block: int = 256):
+def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatPrompts, *, block: int = 256,
+                          plus: bool = False):
     """``float32 [L, B, K, T]``: KVzip's score of every context token (module docstring) from the
     dense context cache (``dense_k``/``dense_v``: per layer ``[B, K, T, D]``, slot = position) of
-    ``contexts`` (token lists, each at most ``T`` long); 0 past a row's context."""
+    ``contexts`` (token lists, each at most ``T`` long); 0 past a row's context. ``plus``: KVzip+'s
+    normalisation (kvpress's ``kvzip_plus_normalization``): each attention weight ``a_{g,i,t}``
+    becomes ``a_{g,i,t} ||W_O[g] v_t|| / ||h_i||`` before the max, ``h_i`` the layer's normalised
+    input at repeat query ``i`` and ``W_O[g]`` query head ``g``'s slice of the output projection."""
     from kvjax.sampling import bucket
 
     cfg = model.config
@@ -179,6 +198,7 @@ def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatProm
             passes[c].append((b, lo, lo + len(ids), list(ask) + list(prompts.suffix) + ids))
     graphdef, params = nnx.split(model)
     scores = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, T), jnp.float32)
+    wo = tuple(block_.self_attn.o_proj[...] for block_ in model.layers) if plus else None
     for rows in passes:
         R = bucket(max(len(r[3]) for r in rows))
         tokens = np.zeros((B, R), np.int32)
@@ -191,7 +211,7 @@ def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatProm
                              f"{positions.max()}, past the model's max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
         st = _Replay(tuple(dense_k), tuple(dense_v), jnp.asarray(n), jnp.asarray(lo), jnp.asarray(hi),
-                     jnp.asarray(length), scores)
+                     jnp.asarray(length), scores, wo)
         scores = _replay(graphdef, params, st, jnp.asarray(tokens), jnp.asarray(positions, jnp.int32),
                          sinks=prompts.sinks, block=block)
     first = jnp.arange(T)[None, None, None, :] < min(prompts.sinks, int(n.min()))
@@ -218,6 +238,7 @@ class KVzip(StaticPriority):
 
     name: ClassVar[str] = "kvzip"
     table_priorities: ClassVar[bool] = True           # priorities known before the pass that uses them
+    plus: ClassVar[bool] = False                      # KVzip+'s normalisation (:class:`KVzipPlus`)
     prompts: RepeatPrompts | None = None
 
     def effective(self) -> EvictionConfig:
@@ -229,7 +250,7 @@ class KVzip(StaticPriority):
     def scored(self, model, dense_k, dense_v, contexts) -> "KVzip":
         """This policy with its scores for ``contexts`` (the dense context cache given)."""
         prompts = self.prompts or repeat_prompts_for(model)
-        scores = reconstruction_scores(model, dense_k, dense_v, contexts, prompts)
+        scores = reconstruction_scores(model, dense_k, dense_v, contexts, prompts, plus=self.plus)
         return dataclasses.replace(self, prompts=prompts, params={
             "scores": scores, "context": jnp.asarray([len(c) for c in contexts], jnp.int32)})
 
@@ -277,3 +298,14 @@ class KVzip(StaticPriority):
         idx = jnp.clip(t_BS, 0, table.shape[-1] - 1)[:, None, :]
         got = jnp.take_along_axis(table, jnp.broadcast_to(idx, table.shape[:2] + idx.shape[-1:]), axis=-1)
         return jnp.where(t_BS[:, None, :] < params["context"][:, None, None], got, -1.0)   # unscored: below all
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class KVzipPlus(KVzip):
+    """``kvzip_plus``: :class:`KVzip` with KVzip+'s normalisation (:func:`reconstruction_scores`
+    with ``plus=True``): a token's reconstruction attention weighted by how much its value writes
+    into the residual stream, ``||W_O v_t||``, over the reading query's ``||h_i||``."""
+
+    name: ClassVar[str] = "kvzip_plus"
+    plus: ClassVar[bool] = True

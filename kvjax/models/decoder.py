@@ -7,7 +7,9 @@ Each layer: ``h += o(attn(rope(norm_q(q(rms(h)))), rope(norm_k(k(rms(h)))), v(rm
 ``h += down(silu(gate(rms(h))) * up(rms(h)))``; the q/k norms exist for Qwen3 only.
 Attention goes through an *attention backend*
 ``backend(layer, q_BSHD, k_BSKD, v_BSKD, positions_BS, state) -> (out_BSHD, state)``
-so the same weights serve dense training, the dense KV cache and bounded caches.
+so the same weights serve dense training, the dense KV cache and bounded caches. A backend
+with a true ``takes_hidden`` attribute is also given the layer's normalised input
+(``hidden_BSE=``), which KVzip+ reads.
 Parameters carry ``logical_axes`` metadata for :mod:`kvjax.sharding`.
 """
 
@@ -130,7 +132,10 @@ class Block(nnx.Module):
         """One layer on the residual stream: ``(h + attn + mlp, backend state)``."""
         x = rms_norm(h_BSE, self.input_layernorm[...], self.eps)
         q, k, v = self.self_attn.qkv(x, positions_BS, inv_freq)
-        attn, state = backend(layer, q, k, v, positions_BS, state)
+        if getattr(backend, "takes_hidden", False):     # a backend that also reads the layer's input
+            attn, state = backend(layer, q, k, v, positions_BS, state, hidden_BSE=x)
+        else:
+            attn, state = backend(layer, q, k, v, positions_BS, state)
         h = h_BSE + self.self_attn.out(attn)
         return h + self.mlp(rms_norm(h, self.post_attention_layernorm[...], self.eps)), state
 

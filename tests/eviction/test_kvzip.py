@@ -23,10 +23,26 @@ def tiny():
     return kvjax.Decoder(cfg, rngs=nnx.Rngs(0), init_std=0.3, embed_init_std=1.0)
 
 
-def brute_scores(model, ctx, p: RepeatPrompts):
+def layer_inputs(model, tokens):
+    """``[L, S, E]``: each layer's normalised input over one causal pass (recorded by a backend)."""
+    from kvjax.models.decoder import causal_attention
+
+    seen = {}
+
+    def record(layer, q, k, v, positions, state, hidden_BSE):
+        seen[layer] = np.asarray(hidden_BSE[0], np.float64)
+        return causal_attention(layer, q, k, v, positions, state)
+
+    record.takes_hidden = True
+    model(jnp.asarray([tokens]), None, record, None)
+    return np.stack([seen[i] for i in range(len(seen))])
+
+
+def brute_scores(model, ctx, p: RepeatPrompts, plus: bool = False):
     """``[L, K, n]`` from each chunk's replay written out: a dense pass over context + request,
     each request query's softmax over the sinks, the chunk and the request so far, max over the
-    group's query heads and the request's queries."""
+    group's query heads and the request's queries. ``plus``: each weight times the value's
+    ``||W_O[g] v||`` over the query's ``||h||`` (KVzip+)."""
     cfg = model.config
     L, K, G, D = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
     n = len(ctx)
@@ -38,9 +54,12 @@ def brute_scores(model, ctx, p: RepeatPrompts):
         rep = ask + list(p.suffix) + ids
         lo, hi, R = p.head + c * p.chunk, p.head + c * p.chunk + len(ids), len(rep)
         pre = prefill_context(model, [ctx + rep], cache_len=256, keep_queries=True)
+        hidden = layer_inputs(model, ctx + rep) if plus else None
         for layer in range(L):
             q = np.asarray(pre.queries[layer, 0, n:n + R])                      # [R, H, D]
             k = np.asarray(pre.dense.k[layer][0, :, :n + R])                    # [K, n + R, D]
+            v = np.asarray(pre.dense.v[layer][0, :, :n + R], np.float64)
+            wo = np.asarray(model.layers[layer].self_attn.o_proj[...], np.float64)    # [H, D, E]
             cols = list(range(min(p.sinks, lo))) + list(range(lo, hi)) + list(range(n, n + R))
             for h in range(K):
                 for g in range(G):
@@ -50,6 +69,9 @@ def brute_scores(model, ctx, p: RepeatPrompts):
                         w = np.exp(logits - logits.max())
                         w /= w.sum()
                         chunk_w = w[min(p.sinks, lo): min(p.sinks, lo) + hi - lo]
+                        if plus:
+                            value_out = np.linalg.norm(v[h, lo:hi] @ wo[h * G + g], axis=-1)
+                            chunk_w = chunk_w * value_out / np.linalg.norm(hidden[layer, n + i])
                         out[layer, h, lo:hi] = np.maximum(out[layer, h, lo:hi], chunk_w)
     return out
 
@@ -67,6 +89,20 @@ def test_reconstruction_scores_equal_a_brute_force_replay_over_chunks(tiny):
         assert np.all(got[:, b, :, :2] == top)                                # the sinks score highest
         assert np.all(got[:, b, :, n:] == 0) and np.all(got[:, b, :, 2:3] == 0)   # past the context; the head
     assert top > 1.0
+
+
+def test_kvzip_plus_scores_equal_a_brute_force_replay(tiny):
+    rs = np.random.RandomState(3)
+    contexts = [rs.randint(14, 90, 35).tolist(), rs.randint(14, 90, 22).tolist()]
+    pre = prefill_context(tiny, contexts, cache_len=64, keep_queries=False)
+    got = np.asarray(reconstruction_scores(tiny, pre.dense.k, pre.dense.v, contexts, PROMPTS, block=8, plus=True))
+    plain = np.asarray(reconstruction_scores(tiny, pre.dense.k, pre.dense.v, contexts, PROMPTS, block=8))
+    for b, ctx in enumerate(contexts):
+        n = len(ctx)
+        np.testing.assert_allclose(got[:, b, :, 3:n], brute_scores(tiny, ctx, PROMPTS, plus=True)[:, :, 3:],
+                                   rtol=2e-4, atol=1e-6)
+    assert not np.allclose(got[:, 0, :, 3:35], plain[:, 0, :, 3:35])            # the weighting changes scores
+    assert kvjax.make_policy("kvzip_plus").plus and not kvjax.make_policy("kvzip").plus
 
 
 def test_one_top_k_over_all_layers_and_heads():
