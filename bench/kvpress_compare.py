@@ -23,27 +23,14 @@ Protocol (kvpress's "question-agnostic" setting, as in ``kvpress/pipeline.py``
 3. Score (RULER string match): ``all`` = fraction of answers (lowercased) contained in the lowercased
    output; ``any`` = 1 if any is.
 
-``none`` runs once per problem, recorded with compression 0.0 (the dense baseline column).
-Press knobs (kvpress 0.5.5 parameter names; ``--window W --kernel K --sinks S``):
+``none`` runs once per problem, recorded with compression 0.0 (the dense baseline column). The presses,
+by name, with their knobs (``--window W --kernel K --sinks S``): ``bench/kvpress_presses.py``.
 
-======================  =====================================================================
-press                   construction / knobs
-======================  =====================================================================
-none                    no press (dense cache)
-streaming_llm           ``StreamingLLMPress(compression_ratio, n_sink=S)``; keeps the first S and
-                        the last ``n_kept - S`` context tokens. No window/kernel.
-snapkv                  ``SnapKVPress(compression_ratio, window_size=W, kernel_size=K)``
-tova                    ``TOVAPress(compression_ratio)``; no knobs (its "window" is the last token)
-knorm                   ``KnormPress(compression_ratio)``; no knobs
-pyramidkv               ``PyramidKVPress(compression_ratio, window_size=W, kernel_size=K)``,
-                        ``beta=20`` (default)
-adakv_snapkv            ``AdaKVPress(SnapKVPress(compression_ratio, window_size=W, kernel_size=K))``,
-                        ``alpha_safeguard=0.20`` (default)
-keydiff                 ``KeyDiffPress(compression_ratio)``; no knobs
-expected_attention      ``ExpectedAttentionPress(compression_ratio, n_sink=S)``,
-                        ``n_future_positions=512``, covariance and value-norm on (defaults)
-kvzip                   ``KVzipPress(compression_ratio)``: n_sink 4, 2048-token chunks, global top-k
-======================  =====================================================================
+Three departures from a plain prefill, each following kvpress's own code: after key re-rotation
+(finch, keyrerotation_streaming_llm) the question starts at the compressed cache length
+(``pipeline.py``); kvcompose_unstructured's replayed copy of the context is cut from the cache (kvpress
+0.5.5 leaves it there; the structured variant cuts it); when layers keep different lengths (kvcompose)
+the question is fed one token at a time (transformers' sdpa mask is sized from layer 0).
 
 How kvpress 0.5.5 picks the kept set (read from its source; matters when comparing with kvjax):
 
@@ -82,6 +69,7 @@ printed; ``OUT/table.md`` gets the same table over every record in the store.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -89,13 +77,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvpress_presses import PRESSES, SINKED, WINDOWED, drop_kvcompose_replay, make_press, question_start  # noqa: E402
+
 # the model hub is not reachable here, and nothing may be downloaded: local folders only
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-PRESSES = ("none", "streaming_llm", "snapkv", "tova", "knorm", "pyramidkv", "adakv_snapkv", "keydiff",
-           "expected_attention", "kvzip")
-WINDOWED = ("snapkv", "pyramidkv", "adakv_snapkv")      # SnapKV asserts len(context) > window
 SETTINGS = ("model", "max_new", "window", "kernel", "sinks")
 
 
@@ -201,34 +189,6 @@ def table(records: list[dict], presses: list[str], compressions: list[float]) ->
 
 # ---- model side --------------------------------------------------------------------------------
 
-def make_press(name: str, compression: float, args):
-    import kvpress as kp
-
-    if name == "none":
-        return None
-    c = float(compression)
-    if name == "streaming_llm":
-        return kp.StreamingLLMPress(compression_ratio=c, n_sink=args.sinks)
-    if name == "snapkv":
-        return kp.SnapKVPress(compression_ratio=c, window_size=args.window, kernel_size=args.kernel)
-    if name == "tova":
-        return kp.TOVAPress(compression_ratio=c)
-    if name == "knorm":
-        return kp.KnormPress(compression_ratio=c)
-    if name == "pyramidkv":
-        return kp.PyramidKVPress(compression_ratio=c, window_size=args.window, kernel_size=args.kernel)
-    if name == "adakv_snapkv":
-        return kp.AdaKVPress(press=kp.SnapKVPress(compression_ratio=c, window_size=args.window,
-                                                  kernel_size=args.kernel))
-    if name == "keydiff":
-        return kp.KeyDiffPress(compression_ratio=c)
-    if name == "expected_attention":
-        return kp.ExpectedAttentionPress(compression_ratio=c, n_sink=args.sinks)
-    if name == "kvzip":
-        return kp.KVzipPress(compression_ratio=c)
-    raise ValueError(name)
-
-
 def check_rope(model, model_dir: Path) -> None:
     """transformers 4.x reads a transformers-5 config's ``rope_parameters`` as an unknown key and
     falls back to rope_theta=10000: a silently different model. Refuse that."""
@@ -274,8 +234,6 @@ class Runner:
 
     def run(self, problem: dict, press, max_new: int) -> dict:
         """One problem under one press, following kvpress/pipeline.py (_forward, generate_answer)."""
-        import contextlib
-
         from transformers import DynamicCache
 
         torch, model = self.torch, self.model
@@ -283,13 +241,30 @@ class Runner:
         q = torch.tensor([problem["question_ids"]], dtype=torch.long)
         n_ctx = ctx.shape[1]
         t0 = time.perf_counter()
+        torch.manual_seed(0)     # presses that draw random numbers (random, leverage, compactor) repeat exactly
+        # Head-wise presses leave their eviction mask on the attention modules; kvpress's attention patch clears
+        # it at the next sdpa prefill, but eager passes (observed_attention, kvcompose) are not patched, so a
+        # mask from the previous record would survive into this one. Clear it here.
+        for layer in model.model.layers:
+            layer.self_attn.masked_key_indices = None
         with torch.inference_mode():
             cache = DynamicCache()
-            with press(model) if press is not None else contextlib.nullcontext():
+            with press(model) if press is not None else contextlib.nullcontext(), self.eager_if_needed(press):
                 model.model(input_ids=ctx, past_key_values=cache)      # prefill without the lm head
+            drop_kvcompose_replay(press, cache, n_ctx)
             kept = self.kept_fraction(cache, n_ctx)
-            pos = torch.arange(n_ctx, n_ctx + q.shape[1]).unsqueeze(0)  # positions of the uncompressed prompt
-            out = model(input_ids=q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+            start = question_start(press, n_ctx, cache)
+            pos = torch.arange(start, start + q.shape[1]).unsqueeze(0)  # the question continues the context
+            if len({layer.keys.shape[2] for layer in cache.layers}) == 1:
+                out = model(input_ids=q, past_key_values=cache, position_ids=pos, logits_to_keep=1)
+            else:
+                # Layers keep different numbers of entries (kvcompose; pyramidkv once its pyramid fits): the
+                # question's causal mask is sized from layer 0 and transformers' sdpa does not cut it to the
+                # other layers' lengths (a shape error), so feed the question one token at a time, which needs
+                # no mask and computes the same causal attention.
+                for j in range(q.shape[1]):
+                    out = model(input_ids=q[:, j:j + 1], past_key_values=cache, position_ids=pos[:, j:j + 1],
+                                logits_to_keep=1)
             nxt = pos[:, -1:] + 1
             ids = []
             tok = int(out.logits[0, -1].argmax())
@@ -305,6 +280,24 @@ class Runner:
         text = self.tok.decode(ids, skip_special_tokens=True)
         return {"output": text, "new_tokens": len(ids), "kv_kept_frac": kept,
                 "seconds": round(time.perf_counter() - t0, 3)}
+
+    @contextlib.contextmanager
+    def eager_if_needed(self, press):
+        """ObservedAttentionPress reads the prefill's attention weights, which only eager attention returns
+        (``kvpress/presses/observed_attention_press.py``): the prefill runs eager, decoding sdpa again (the
+        same switch KVComposePress makes for its own passes)."""
+        import kvpress as kp
+
+        cfg = self.model.config
+        if not isinstance(press, kp.ObservedAttentionPress):
+            yield
+            return
+        before = cfg._attn_implementation
+        cfg._attn_implementation = "eager"
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = before
 
     def kept_fraction(self, cache, n_ctx: int) -> float:
         """Mean over layers (and KV heads) of the context entries still attended after prefill."""
@@ -328,9 +321,11 @@ def main(argv=None) -> None:
                     help="fractions of the context's KV pairs to evict (kvpress compression_ratio)")
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--window", type=int, default=32, help="SnapKV-family observation window (window_size)")
+    ap.add_argument("--window", type=int, default=32,
+                    help="observation window (window_size) of the SnapKV family and FINCH's window")
     ap.add_argument("--kernel", type=int, default=7, help="SnapKV-family pooling kernel (kernel_size)")
-    ap.add_argument("--sinks", type=int, default=4, help="n_sink of streaming_llm and expected_attention")
+    ap.add_argument("--sinks", type=int, default=4,
+                    help=f"n_sink (num_sinks) of {', '.join(SINKED)}")
     ap.add_argument("--limit", type=int, default=None, help="only the first N problems (smoke tests)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
@@ -351,7 +346,7 @@ def main(argv=None) -> None:
     shortest = min(len(p["context_ids"]) for p in problems)
     if any(p in WINDOWED for p in presses) and shortest <= args.window:
         die(f"a context has {shortest} tokens, not more than --window {args.window} (SnapKV needs more)")
-    if any(p in ("streaming_llm", "expected_attention") for p in presses) and shortest <= args.sinks:
+    if any(p in SINKED for p in presses) and shortest <= args.sinks:
         die(f"a context has {shortest} tokens, not more than --sinks {args.sinks}")
 
     # the model by its folder's name, not its path: a store committed on one machine resumes on another
@@ -375,7 +370,7 @@ def main(argv=None) -> None:
         t_all = time.perf_counter()
         with rec_path.open("a") as f:
             for n, (p, press_name, c) in enumerate(todo, 1):
-                press = make_press(press_name, c, args)
+                press = make_press(press_name, c, args.window, args.kernel, args.sinks)
                 res = runner.run(p, press, args.max_new)
                 s = score(res["output"], p["answers"], p["metric"])
                 rec = {"id": p["id"], "task": p["task"], "length": p["length"], "press": press_name,

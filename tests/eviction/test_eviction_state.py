@@ -119,7 +119,7 @@ def test_full_budget_equals_dense_generation(tiny, name):
             gates = jnp.asarray(np.random.RandomState(0).rand(2, 2), jnp.float32)
             return make_policy(name, dataclasses.replace(ev, k_max=2 * ev.topk if ev.topk < 10 else ev.topk),
                                params={"gates": gates})
-        if name == "kvzip":             # a model without a tokenizer: the repeat request's ids given
+        if name in ("kvzip", "kvzip_plus"):  # a model without a tokenizer: the repeat request's ids given
             import dataclasses
 
             from kvjax.eviction.kvzip import RepeatPrompts
