@@ -10,7 +10,7 @@ attention followed by selection, as kvpress does.
 |----------------|-----------------------------------------------------------------------|
 | streaming_llm  | none: all ``k`` slots go to the window (``w + k`` recent tokens)       |
 | random         | a seeded hash of (layer, head, ``t``)                                 |
-| knorm          | ``-||k_t||_2`` (low key norm = important)                             |
+| knorm          | ``-||k_t||_2`` (low key norm = important), to 13 mantissa bits (:func:`_coarse`) |
 | oracle         | given: the dense teacher's future attention (known in hindsight)      |
 | oracle_peak    | given, like ``oracle``; by convention the peak single-query attention  |
 | oracle_union   | given, like ``oracle``; by convention the better of the two ranks above |
@@ -75,7 +75,18 @@ class KNorm(StaticPriority):
     name: ClassVar[str] = "knorm"
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
-        return -jnp.swapaxes(jnp.linalg.norm(k_BSKD.astype(jnp.float32), axis=-1), 1, 2)
+        norm_BSK = jnp.linalg.norm(k_BSKD.astype(jnp.float32), axis=-1)
+        return -jnp.swapaxes(_coarse(norm_BSK), 1, 2)
+
+
+def _coarse(x, drop_bits: int = 10):
+    """``x`` with the low ``drop_bits`` of its 23 float32 mantissa bits cleared (relative step
+    ``2**-13``). RoPE leaves a key's norm unchanged, so a token repeated in layer 0 has one
+    norm in exact arithmetic; in float32 the norms differ in the last bits, by position and by
+    the compiled program's shapes. Coarsened, such keys tie exactly and the keep rule breaks the
+    tie the same way whatever the shapes (length buckets, chunked prefill, another CPU)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jax.lax.bitcast_convert_type(bits & jnp.int32(-(1 << drop_bits)), jnp.float32)
 
 
 @register

@@ -186,3 +186,18 @@ def test_snapkv_reranks_when_the_observation_window_refills():
     due, restarted = pol.refresh(buf, state, jnp.array([7]))     # 8 queries seen: refresh
     np.testing.assert_allclose(np.asarray(due.prio), np.asarray(state.score), rtol=1e-6)
     assert float(jnp.abs(restarted.score).sum()) == 0.0
+
+
+def test_knorm_gives_a_key_one_priority_at_every_rotation():
+    """RoPE keeps a key's norm: the same key at 64 positions has one K-norm priority, so among
+    repeats the keep rule's tie-break (the more recent token) decides, not float rounding."""
+    from kvjax.models.rope import apply_rope
+
+    k = np.random.RandomState(0).normal(size=(1, 1, 2, 64)).astype(np.float32)     # [B, S, K, D]
+    pos = np.arange(0, 4096, 64)[None]                                              # [1, 64]
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    rot = apply_rope(jnp.broadcast_to(jnp.asarray(k), (1, 64, 2, 64)), jnp.asarray(pos), inv_freq)
+    raw = np.linalg.norm(np.asarray(rot), axis=-1)                                  # [1, 64, 2]
+    assert len(np.unique(raw[0, :, 0])) > 1          # the float32 norms differ in their last bits
+    prio = np.asarray(make_policy("knorm", EvictionConfig(2, 4, 6)).priority(None, 0, rot, rot, jnp.asarray(pos)))
+    assert prio.shape == (1, 2, 64) and (prio == prio[..., :1]).all()
