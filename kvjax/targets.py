@@ -1,4 +1,4 @@
-"""KVpop's future-attention target (seed Eqs. 8, 15, 16; DESIGN.md "Targets").
+"""KVpop's future-attention target (seed Eqs. 8, 15, 16; docs/design.md, "Targets and losses").
 
 For query head ``g`` in the group of KV head ``h`` and causal attention probabilities
 ``p(d -> t)`` of the pass being supervised:

@@ -7,7 +7,7 @@ priority as a long-range candidate). Which slot holds which token does not matte
 is a sink, a window or a long-range slot by its position alone, so a decode step writes
 exactly one slot per head and nothing moves.
 
-Keep rule (DESIGN.md): at query ``q`` the cache holds the sinks ``t < s``, the window
+Keep rule (docs/design.md, "The keep rule"): at query ``q`` the cache holds the sinks ``t < s``, the window
 ``q - w < t <= q`` and the ``min(b, |E(q)|)`` tokens of ``E(q) = {t : s <= t <= q - w}``
 with the highest priority, ties to the more recent token (``b <= m`` the head's budget).
 When token ``q`` arrives, the token ``t = q - w`` leaves the window and joins ``E(q)``:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.config import EvictionConfig, kept_slots
 
 
 def budget_for(length: int, compression: float, *, sinks: int = 4, window_frac: float = 1 / 16,
@@ -19,7 +19,7 @@ def budget_for(length: int, compression: float, *, sinks: int = 4, window_frac: 
         raise ValueError(f"compression must be in [0, 1), got {compression}")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    total = max(int(round((1.0 - compression) * length)), sinks + 2)
+    total = max(kept_slots(compression, length), sinks + 2)
     win = max(1, int(round(total * window_frac))) if window is None else window
     if sinks + win >= total:
         raise ValueError(f"a budget of {total} slots ({compression:.0%} of {length} tokens) leaves no top-k slot "
@@ -30,7 +30,7 @@ def budget_for(length: int, compression: float, *, sinks: int = 4, window_frac: 
 def fixed_window_budget(length: int, compression: float, *, sinks: int, window: int) -> EvictionConfig:
     """``EvictionConfig`` with the given sinks and window and ``topk`` filling the rest of
     ``round((1 - compression) * length)`` slots (the real-model evaluations' budgets)."""
-    total = int(round((1.0 - compression) * length))
+    total = kept_slots(compression, length)
     if sinks + window > total:
         raise ValueError(f"{sinks} sinks + {window} window exceed the budget of {total} slots "
                          f"({compression:.0%} of {length} tokens); lower the window or the compression")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvjax.eviction.config import kept_slots
+
 
 @dataclass(frozen=True)
 class RetentionConfig:
@@ -46,7 +48,7 @@ class RetentionConfig:
     def __post_init__(self):
         if not 0.0 < self.compression < 1.0:
             raise ValueError(f"compression: {self.compression} is not in (0, 1)")
-        if round((1 - self.compression) * self.crop) <= self.sinks + self.window:
+        if kept_slots(self.compression, self.crop) <= self.sinks + self.window:
             raise ValueError(f"compression {self.compression} of a {self.crop}-token crop leaves no long-range slot")
         if min(self.batch_size, self.map_last) < 1 or self.max_traces < 0:
             raise ValueError("batch_size and map_last must be >= 1, max_traces >= 0")

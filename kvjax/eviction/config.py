@@ -127,6 +127,12 @@ def check_compression(compression, what: str = "compression") -> float:
     return float(compression)
 
 
+def kept_slots(compression: float, length: int) -> int:
+    """``round((1 - compression) * length)``: the slots per KV head a compression ratio keeps of
+    ``length`` tokens. The one place this is computed (the budgets, the configs' checks)."""
+    return int(round((1.0 - compression) * length))
+
+
 def budget_at(base: EvictionConfig, compression: float, length: int) -> EvictionConfig:
     """``base`` with ``sinks + window + topk = max(1, round((1 - compression) length))`` slots per
     KV head and ``k_max`` unset: the sinks and window are ``base``'s, shrunk only when the budget
@@ -135,7 +141,7 @@ def budget_at(base: EvictionConfig, compression: float, length: int) -> Eviction
     compression = check_compression(compression)
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise ValueError(f"budget_at: length must be a positive integer, got {length!r}")
-    total = max(1, int(round((1.0 - compression) * length)))
+    total = max(1, kept_slots(compression, length))
     sinks = min(base.sinks, total - 1)
     window = min(base.window, total - sinks)
     return dataclasses.replace(base, sinks=sinks, window=window, topk=total - sinks - window, k_max=None)

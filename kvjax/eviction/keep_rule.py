@@ -1,4 +1,4 @@
-"""The keep rule: which keys each query may attend (DESIGN.md, "The keep rule").
+"""The keep rule: which keys each query may attend (docs/design.md, "The keep rule").
 
 Per row with budget ``(s, w, k)``, query ``q`` attends key ``t <= q`` iff
 
@@ -39,13 +39,15 @@ class CompactKeep(NamedTuple):
     block_any_kept: jax.Array
 
 
-def static_priority(scores_XS, decay_lambda_X) -> jax.Array:
+def static_priority(scores_XS, decay_lambda_X, positions_XS=None) -> jax.Array:
     """``p_t = r_t + lambda * t``: ranking by ``p`` equals ranking by the decayed
     score ``r_t - lambda (q - t)`` at every ``q``. ``scores [..., S]``, ``decay_lambda``
-    broadcastable to ``[...]`` (e.g. one per head) -> ``[..., S]``."""
+    broadcastable to ``[...]`` (e.g. one per head), ``positions`` broadcastable to
+    ``[..., S]`` (default ``0 .. S-1``) -> ``[..., S]``; ``-inf`` scores stay ``-inf``.
+    The one definition: the scorers, the learned policies and ``distill_kvpop`` all call it."""
     scores_XS = jnp.asarray(scores_XS)
-    position_S = jnp.arange(scores_XS.shape[-1], dtype=scores_XS.dtype)
-    return scores_XS + jnp.asarray(decay_lambda_X, scores_XS.dtype)[..., None] * position_S
+    t = jnp.arange(scores_XS.shape[-1]) if positions_XS is None else jnp.asarray(positions_XS)
+    return scores_XS + jnp.asarray(decay_lambda_X, scores_XS.dtype)[..., None] * t.astype(scores_XS.dtype)
 
 
 def keep_mask(priority_S, *, sinks: int, window: int, topk: int) -> jax.Array:

@@ -20,7 +20,7 @@ from flax import nnx
 from kvjax.eviction.bounded import StaticPriority
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.registry import register
-from kvjax.scorers.params import static_priority
+from kvjax.eviction.keep_rule import static_priority
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ class KVpopMLSTM(_Learned):
         """Priorities of a whole sequence (chunkwise form) and the memory after it."""
         sc = self.scorer(params)
         r, st = sc.prefill(layer, k_BSKD, v_BSKD, self.effective().window, lengths_B=lengths_B, chunk=self.chunk)
-        return static_priority(r, sc.decay(layer), positions_BS), st
+        return static_priority(r, sc.decay(layer), positions_BS[:, None, :]), st
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         return self.training_priority(params, layer, k_BSKD, v_BSKD, t_BS)[0]
@@ -120,7 +120,7 @@ class KVpopMLSTM(_Learned):
     def exit_priority(self, params, layer, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, state):
         sc = self.scorer(params)
         state, r_BK = sc.step(layer, state, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD)
-        return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None])[:, :, 0], state
+        return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None, None])[:, :, 0], state
 
 
 def from_scorer(scorer, config: EvictionConfig, **kw) -> _Learned:

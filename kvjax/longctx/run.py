@@ -36,6 +36,7 @@ from typing import Literal
 
 import numpy as np
 
+from kvjax.eviction.config import kept_slots
 from kvjax.longctx.tasks import TASKS
 
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
@@ -87,8 +88,8 @@ class LongCtxConfig:
             if not 0.0 < c < 1.0:
                 raise ValueError(f"compressions: {c} is not in (0, 1)")
             for n in self.lengths:
-                if round((1 - c) * n) <= self.sinks + self.window:
-                    raise ValueError(f"compression {c} of {n} tokens leaves {round((1 - c) * n)} slots, "
+                if kept_slots(c, n) <= self.sinks + self.window:
+                    raise ValueError(f"compression {c} of {n} tokens leaves {kept_slots(c, n)} slots, "
                                      f"not more than sinks + window = {self.sinks + self.window}")
         for label, rule in self.learned_budgets.items():
             if label not in self.learned:

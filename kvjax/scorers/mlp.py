@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kvjax.scorers.params import decay_param, init_normal, scorer_param, static_priority, stop_features
+from kvjax.eviction.keep_rule import static_priority
+from kvjax.scorers.params import decay_param, init_normal, scorer_param, stop_features
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu}
 
@@ -54,4 +55,4 @@ class MLPScorer(nnx.Module):
 
     def priority(self, layer, k_BSKD: jax.Array, v_BSKD: jax.Array, t_BS: jax.Array) -> jax.Array:
         """Static priority ``p_t = r_t + lambda_h t``: ``[B, K, S]``; ``t_BS`` are the tokens' positions."""
-        return static_priority(self.scores(layer, k_BSKD, v_BSKD), self.decay(layer), t_BS)
+        return static_priority(self.scores(layer, k_BSKD, v_BSKD), self.decay(layer), t_BS[:, None, :])

@@ -44,7 +44,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from kvjax.scorers.params import decay_param, init_normal, scorer_param, static_priority, stop_features
+from kvjax.eviction.keep_rule import static_priority
+from kvjax.scorers.params import decay_param, init_normal, scorer_param, stop_features
 
 NEG = -1e30  # log-weight of an absent token (padding, beyond a row's length): exp(NEG - m) = 0
 
@@ -254,7 +255,7 @@ class MLSTMScorer(nnx.Module):
 
     def priority(self, layer, k_BSKD, v_BSKD, t_BS, window: int, **kw) -> jax.Array:
         """Static priority ``p_t = r_hat_t + lambda_h t``: ``[B, K, S]`` (``-inf`` where unread)."""
-        return static_priority(self.scores(layer, k_BSKD, v_BSKD, window, **kw), self.decay(layer), t_BS)
+        return static_priority(self.scores(layer, k_BSKD, v_BSKD, window, **kw), self.decay(layer), t_BS[:, None, :])
 
     def step(self, layer, state: MLSTMState, k_BKD, v_BKD, k_exit_BKD, v_exit_BKD) -> tuple[MLSTMState, jax.Array]:
         """Decode step at position ``q``: absorb token ``q``, then read token ``q - w``'s score ``[B, K]``.

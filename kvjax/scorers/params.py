@@ -6,7 +6,7 @@ scorer weights for the optimizer, checkpoints and export. Note that a plain
 ``nnx.Param`` filter also matches them; select the backbone alone with
 ``nnx.All(nnx.Param, nnx.Not(ScorerParam))``.
 
-Decay (DESIGN.md, keep rule): per KV head ``lambda_h = softplus(rho_h) >= 0``; the
+Decay (docs/design.md, "The keep rule"): per KV head ``lambda_h = softplus(rho_h) >= 0``; the
 decayed score at query ``q`` is ``r_t - lambda_h (q - t)``. The ``q`` cancels when two
 tokens are compared at the same query, so the *static priority*
 ``p_t = r_t + lambda_h t`` ranks tokens as the decayed score does at every ``q``.
@@ -43,11 +43,6 @@ def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array
 def decay_param(num_layers: int, kv_heads: int) -> ScorerParam:
     """Raw decay ``rho [L, K]`` (``lambda = softplus(rho)``)."""
     return scorer_param(jnp.full((num_layers, kv_heads), DECAY_RAW_INIT), ("layers", "kv_heads"))
-
-
-def static_priority(r_BKS: jax.Array, lam_K: jax.Array, t_BS: jax.Array) -> jax.Array:
-    """``p_t = r_t + lambda_h t`` -> ``[B, K, S]`` (``-inf`` scores stay ``-inf``)."""
-    return r_BKS + lam_K[None, :, None] * t_BS[:, None, :].astype(jnp.float32)
 
 
 def stop_features(k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:

@@ -140,6 +140,13 @@ def test_static_priority_orders_like_decayed_scores():
     q = 29
     decayed = scores - decay[:, None] * (q - np.arange(30))
     np.testing.assert_array_equal(np.argsort(-priority, axis=-1), np.argsort(-decayed, axis=-1))
+    # the scorers' form: [B, K, S] scores, one decay per head, each row's own positions
+    r = rng.normal(size=(2, 2, 5)).astype(np.float32)
+    r[1, 0, 2] = -np.inf
+    t = np.array([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    got = np.asarray(static_priority(r, decay, t[:, None, :]))
+    np.testing.assert_allclose(got, r + decay[None, :, None] * t[:, None, :], rtol=1e-6)
+    assert got[1, 0, 2] == -np.inf
 
 
 def test_seed_fenwick_walkthrough():
@@ -156,7 +163,7 @@ def test_seed_keep_mask_walkthrough():
     """Seed, "Delayed Memory Scoring": ranks (1-based) 2, 6, 3, 1, 5, 4 for tokens
     0..5; at q = 3 token 1 becomes eligible (w = 2) and the row keeps tokens 0, 2, 3:
     the best eligible token plus the window (k = 1). The seed's stated cutoff (rank 3,
-    a window token) is not an eligible rank; under DESIGN.md's rule it is rank 1 (0-based)."""
+    a window token) is not an eligible rank; under the keep rule of docs/design.md it is rank 1 (0-based)."""
     priority = np.array([5.0, 1.0, 4.0, 6.0, 2.0, 3.0])
     np.testing.assert_array_equal(token_ranks(priority), [1, 5, 2, 0, 4, 3])
     assert int(fenwick_cutoffs(priority, sinks=0, window=2, topk=1)[3]) == 1
