@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast test-latest demo teacher teacher-long quality quality-long real-model traces features scorers lkv fidelity retention longctx \
+.PHONY: install test test-fast test-latest demo teacher teacher-long quality quality-long real-model traces features scorers lkv adapted fidelity retention longctx \
 	kvpress-compare
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -32,7 +32,7 @@ traces: real-model
 
 # Scorer-only KVpop on SmolLM2: the teacher-feature pass over the traces (runs/features, ~5 GB),
 # then MLP and mLSTM scorer fits on the mean target, exported to assets/smollm2-scorers (each
-# step resumable; docs/scorer-fit.md gives the times).
+# step resumable; docs/real-model.md, "Scorer-only KVpop: how the scorers are trained here", gives the times).
 features: traces
 	$(PY) -m kvjax.scorer_fit features --config configs/features-smollm2.yaml
 
@@ -55,6 +55,18 @@ lkv: traces
 	$(PY) -c "import kvjax; from kvjax.export import combine_lkv_budgets as c; \
 		kvjax.export_scorers('runs/smollm2-lkv', 'assets/smollm2-scorers/lkv'); \
 		c('assets/smollm2-scorers/lkv', 'assets/smollm2-scorers/kvpop-mlstm-mean', 'assets/smollm2-scorers/lkv-kvpop-mlstm')"
+
+# The seed's full recipe: SmolLM2 distilled through its own bounded cache at 75% and 88% (the
+# teacher's top-64 cached once, ~20 s a 4 x 512 step on 2 cores, 200 steps each, resumable), each
+# exported as a pair (runs/smollm2-distill-kvpop*/export/student, an HF folder, + export/scorers),
+# then trace fidelity against the original dense model (docs/real-model.md, "The full recipe").
+ADAPTED_RUNS = smollm2-distill-kvpop smollm2-distill-kvpop-88
+adapted: traces
+	for run in $(ADAPTED_RUNS); do \
+		$(PY) train.py --config configs/$$run.yaml || exit 1; \
+		$(PY) -c "from kvjax.export import export_checkpoint as e; e('runs/$$run', 'runs/$$run/export', 200)" || exit 1; \
+	done
+	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2-adapted.yaml
 
 # Trace fidelity (teacher-forced top-1 agreement and KL vs dense, bounded throughout) and the
 # seed's Figures 6/7 (retention vs the oracle) of every policy on the held-out traces.

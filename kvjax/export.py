@@ -92,18 +92,27 @@ def export_checkpoint(run_dir, out_dir, step: int) -> tuple[Path, Path | None]:
     (an HF folder). Returns both paths (the second None for LKV, whose backbone is frozen)."""
     from kvjax.convert.hf_io import save_hf
 
+    from kvjax.train.checkpoint import weights_fingerprint
+
     policy, base_config, name, backbone = _policy_from_run(Path(run_dir), step)
     out = Path(out_dir)
-    scorers = export_scorers(policy, out / "scorers", base_model_name=name, base_config=base_config)
-    return scorers, None if backbone is None else Path(save_hf(backbone, out / "student"))
+    student = None if backbone is None else Path(save_hf(backbone, out / "student"))
+    # the scorers remember the adapted backbone they were trained with (load_scorers warns on another)
+    trained_with = None if student is None else weights_fingerprint(student)
+    scorers = export_scorers(policy, out / "scorers", base_model_name=name, base_config=base_config,
+                             trained_with=trained_with)
+    return scorers, student
 
 
-def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None, base_config=None) -> Path:
+def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None, base_config=None,
+                   trained_with: str | None = None) -> Path:
     """Write ``scorers.safetensors`` and ``scorer_config.json`` to ``out_dir`` (atomically).
 
     ``run_or_policy``: a ``train.py`` run folder of mode ``distill_kvpop`` or ``distill_lkv``, or a
     learned policy (``kvpop_mlp``, ``kvpop_mlstm``, ``lkv``, ``lkv_kvpop_mlstm``) with
-    ``base_config`` the model's ``ModelConfig``.
+    ``base_config`` the model's ``ModelConfig``. ``trained_with``: the weights fingerprint of the
+    adapted backbone the scorers were trained with (:func:`export_checkpoint` sets it), recorded
+    so that :func:`load_scorers` can warn when they are given another backbone.
     """
     if isinstance(run_or_policy, (str, os.PathLike)):
         policy, base_config, name, _ = _policy_from_run(Path(run_or_policy))
@@ -126,6 +135,7 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
         "decays": None if kind == "lkv" else np.log1p(np.exp(tensors["decay_raw"])).tolist(),
         "lkv_budgets": None if budgets is None else np.asarray(budgets).astype(int).tolist(),
         "base_model": base_model_name, "base_config_sha256": None if base_config is None else config_hash(base_config),
+        **({} if trained_with is None else {"trained_with_weights": trained_with}),
     }
     return write_scorer_files(out_dir, tensors, meta)
 
@@ -172,6 +182,7 @@ def load_scorers(directory, model=None, *, compression=..., config: EvictionConf
     policy = _load_scorers(directory)
     if model is not None:
         policy.check_model(getattr(model, "config", model))
+        _check_backbone(Path(directory), model)
     if config is not None:
         return policy.at_budget(config)
     if compression is None:
@@ -181,6 +192,26 @@ def load_scorers(directory, model=None, *, compression=..., config: EvictionConf
         return policy
     return dataclasses.replace(policy, config=dataclasses.replace(policy.config, topk=0, k_max=None),
                                compression=DEFAULT_COMPRESSION if compression is ... else compression)
+
+
+def _check_backbone(directory: Path, model) -> None:
+    """Warn when scorers trained with an adapted backbone (``trained_with_weights``) are given a
+    model loaded from a folder whose weights differ (the frozen original, say): legal, since the
+    shapes fit, but not the pair that was trained."""
+    import warnings
+
+    from kvjax.convert.hf_io import source_folder
+    from kvjax.train.checkpoint import weights_fingerprint
+
+    want = json.loads((directory / "scorer_config.json").read_text()).get("trained_with_weights")
+    folder = source_folder(model)
+    if want is None or folder is None:
+        return
+    got = weights_fingerprint(folder)
+    if got != want:
+        warnings.warn(f"{directory}: these scorers were trained with an adapted backbone (weights {want}); the model "
+                      f"given was loaded from {folder} (weights {got}): they run, but not as the pair that was trained",
+                      stacklevel=3)
 
 
 _META_INTS = ("num_layers", "kv_heads", "head_dim", "sinks", "window", "topk")

@@ -105,6 +105,27 @@ def topk_kl_distill(teacher_logits_BSV, student_logits_BSV, mask_BS, k: int):
     return _masked_mean(jnp.sum(jnp.exp(lt) * (lt - ls), -1), mask_BS)
 
 
+def cached_topk_kl(teacher_logp_BSK, teacher_idx_BSK, student_logits_BSV, mask_BS):
+    """Mean over ``mask`` of the KL between teacher and student over ``K + 1`` outcomes: the teacher's
+    top-``K`` tokens (their cached log-probabilities ``log p_T``, ``kvjax.train.teacher_cache``) and
+    one bucket for the rest of the vocabulary:
+
+        sum_k p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest),
+        p_rest = 1 - sum_k p_k,  q_rest = 1 - sum_k q_k,  q = softmax(student logits).
+
+    Equal to ``kl_distill`` when ``K`` is the vocabulary; below it otherwise (grouping outcomes
+    cannot raise a KL). The student stays normalised over the whole vocabulary, so mass it puts
+    outside the teacher's top-``K`` is paid for (``topk_kl_distill`` renormalises and does not)."""
+    lt = teacher_logp_BSK.astype(jnp.float32)
+    ls = jnp.take_along_axis(jax.nn.log_softmax(student_logits_BSV.astype(jnp.float32), -1), teacher_idx_BSK, -1)
+    pt = jnp.exp(lt)
+    head = jnp.sum(pt * (lt - ls), -1)
+    p_rest = jnp.clip(1.0 - jnp.sum(pt, -1), 0.0, 1.0)
+    q_rest = jnp.clip(1.0 - jnp.sum(jnp.exp(ls), -1), 1e-30, 1.0)
+    tail = jnp.where(p_rest > 0, p_rest * (jnp.log(jnp.maximum(p_rest, 1e-30)) - jnp.log(q_rest)), 0.0)
+    return _masked_mean(head + tail, mask_BS)
+
+
 def hidden_mse(teacher_hidden, student_hidden, mask_BS):
     """LKV: ``sum_l mean_{b,s in mask} ||h_l^S - h_l^T||^2 / E`` over per-layer hidden states."""
     total = 0.0

@@ -3,6 +3,7 @@ together, asynchronously, keeping the last N; restore refuses what does not fit.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -126,3 +127,18 @@ _HINTS = {"total_steps": " (the learning-rate schedule is laid out over the tota
 def _short(x) -> str:
     s = json.dumps(x, sort_keys=True, default=str)
     return s if len(s) < 200 else s[:200] + "..."
+
+
+def weights_fingerprint(directory, sample: int = 1 << 20) -> str:
+    """A cheap fingerprint of the ``*.safetensors`` under ``directory``: each file's name, size
+    and its first and last ``sample`` bytes (retrained weights differ there; no full read)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(sample))
+            if size > sample:
+                fh.seek(max(size - sample, sample))
+                h.update(fh.read(sample))
+    return h.hexdigest()[:16]

@@ -50,8 +50,14 @@ class DataSection:
     lookup_weight: float = 1.0                              # testbed: loss weight of lookup tokens
     eval_problems: int = 256                 # held-out testbed problems of each evaluation (0: none)
     seed: int = 0                            # data order seed
+    teacher_cache: str | None = None         # distill_kvpop: folder of the teacher's top-k, computed once (kvjax.train.teacher_cache)
+    teacher_topk: int = 64                   # ... how many of the teacher's most likely next tokens it keeps per position
 
     def __post_init__(self):
+        if self.teacher_cache is not None and self.source != "tokens":
+            raise ValueError("data.teacher_cache needs data.source 'tokens' (one cached row per line of data.path)")
+        if self.teacher_topk < 1:
+            raise ValueError(f"data.teacher_topk must be >= 1, got {self.teacher_topk}")
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len must be >= 2, got {self.seq_len}")
         if self.batch_size < 1:
@@ -227,6 +233,13 @@ class TrainConfig:
         if not self.phases and self.steps < 1:
             raise ValueError("set steps >= 1 or give phases")
         ev = self.eviction
+        if self.data.teacher_cache is not None and self.mode != "distill_kvpop":
+            raise ValueError(f"data.teacher_cache is for mode distill_kvpop, not {self.mode}")
+        if self.data.teacher_cache is not None and ev.kd_topk:
+            raise ValueError("eviction.kd_topk renormalises a live teacher's top-k; with data.teacher_cache the KL "
+                             "runs over the cached top data.teacher_topk plus one bucket for the rest: set one")
+        if self.data.teacher_cache is not None and any("seq_len" in p.data for p in self.phases):
+            raise ValueError("data.teacher_cache holds rows of data.seq_len tokens: phases may not change seq_len")
         if self.mode == "distill_lkv" and (ev.k_max is None or ev.k_max <= ev.topk):
             raise ValueError(f"eviction.k_max ({ev.k_max}) must be > eviction.topk ({ev.topk}) for distill_lkv: the "
                              f"most long-range slots one head may fill (e.g. k_max: {2 * ev.topk})")

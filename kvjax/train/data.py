@@ -35,10 +35,12 @@ class TestbedSource:
 
 
 class JsonlTokenSource:
-    """One JSONL line = one sequence of token ids; byte offsets indexed once."""
+    """One JSONL line = one sequence of token ids; byte offsets indexed once. ``teacher``: the
+    teacher's cached ``(logp, idx)`` ``[rows, S, K]`` (``kvjax.train.teacher_cache``), returned
+    with each row as ``teacher_logp`` / ``teacher_idx``."""
 
-    def __init__(self, path: str, seq_len: int):
-        self.path, self.seq_len = Path(path), seq_len
+    def __init__(self, path: str, seq_len: int, teacher: tuple[np.ndarray, np.ndarray] | None = None):
+        self.path, self.seq_len, self.teacher = Path(path), seq_len, teacher
         if not self.path.exists():
             raise FileNotFoundError(f"data.path: token file {self.path} does not exist")
         self.offsets = []
@@ -66,7 +68,10 @@ class JsonlTokenSource:
         tokens[: len(ids)] = ids
         mask = np.zeros(self.seq_len, bool)
         mask[1: len(ids)] = True
-        return {"tokens": tokens, "loss_mask": mask}
+        row = {"tokens": tokens, "loss_mask": mask}
+        if self.teacher is not None:
+            row["teacher_logp"], row["teacher_idx"] = self.teacher[0][int(i)], self.teacher[1][int(i)]
+        return row
 
 
 def testbed_config(data: DataSection, phase: Phase | None = None) -> TestbedConfig:
@@ -78,18 +83,19 @@ def phase_seq_len(data: DataSection, phase: Phase | None) -> int:
     return int((phase.data if phase else {}).get("seq_len", data.seq_len))
 
 
-def make_dataset(data: DataSection, phase: Phase | None, seed: int):
+def make_dataset(data: DataSection, phase: Phase | None, seed: int, teacher=None):
     """Batched ``grain.MapDataset`` of this process's rows: ``ds[i]`` is the i-th batch of the phase.
 
     grain is imported here, not at module import: only the training data pipeline needs it
-    (the device check runs where grain is not installed)."""
+    (the device check runs where grain is not installed). ``teacher``: the cached teacher
+    top-k of ``data.path``'s rows (``kvjax.train.teacher_cache.load_teacher_cache``)."""
     import grain
 
     seq_len = phase_seq_len(data, phase)
     if data.source == "testbed":
         ds = grain.MapDataset.source(TestbedSource(testbed_config(data, phase), "train", seq_len))
     else:
-        ds = grain.MapDataset.source(JsonlTokenSource(data.path, seq_len)).shuffle(seed=seed).repeat()
+        ds = grain.MapDataset.source(JsonlTokenSource(data.path, seq_len, teacher)).shuffle(seed=seed).repeat()
     nproc, pid = jax.process_count(), jax.process_index()
     batch_size = phase.batch_size if phase is not None and phase.batch_size else data.batch_size
     if batch_size % nproc:

@@ -8,6 +8,8 @@ from a transposed pass reusing that LSE (``stop_gradient``) -- both by the
 ``pallas_kernels`` ops, on the backend ``eviction.kernel`` names. Loss:
 
     kd_weight * KL(teacher || student)                       -> backbone only
+                      (``data.teacher_cache``: the teacher's top-k computed once,
+                       ``cached_topk_kl``; no teacher runs in the step)
   + regression_weight * mean_l MSE(r_hat_l, r_tgt_l)          -> scorers only
                       (``regression_centred``: up to a per-(row, head) offset)
   + pairwise_weight * mean_l boundary_pairwise(p_hat_l, r_tgt_l)  -> scorers only
@@ -15,7 +17,6 @@ from a transposed pass reusing that LSE (``stop_gradient``) -- both by the
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -23,12 +24,13 @@ from flax import nnx
 
 import pallas_kernels
 from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
-from kvjax.losses import boundary_pairwise_loss, kl_distill, regression_loss, topk_kl_distill
+from kvjax.losses import boundary_pairwise_loss, cached_topk_kl, kl_distill, regression_loss, topk_kl_distill
 from kvjax.scorers import MLPScorer, MLSTMScorer
-from kvjax.scorers.params import static_priority
+from kvjax.eviction.keep_rule import static_priority
 from kvjax.train.config import TrainConfig
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
+from kvjax.train.teacher_cache import teacher_section
 
 
 class Student(nnx.Module):
@@ -54,7 +56,7 @@ def scorer_outputs(scorer, layer, k_BSKD, v_BSKD, positions_BS, window: int, chu
         r = scorer.scores(layer, k_BSKD, v_BSKD, window, chunk=chunk)
     else:
         r = scorer.scores(layer, k_BSKD, v_BSKD)
-    return r, static_priority(r, scorer.decay(layer), positions_BS)
+    return r, static_priority(r, scorer.decay(layer), positions_BS[:, None, :])
 
 
 def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
@@ -80,25 +82,29 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
     from kvjax.train.task import Task
 
     ev = cfg.eviction
-    teacher_section = cfg.model if cfg.teacher_hf_path is None else dataclasses.replace(
-        cfg.model, hf_path=cfg.teacher_hf_path, preset=None, config=None)
-    teacher = build_model(teacher_section, cfg.seed, abstract=abstract)
+    cached = cfg.data.teacher_cache is not None     # the teacher's top-k arrives with the batch: no teacher here
+    teacher = None if cached else build_model(teacher_section(cfg), cfg.seed, abstract=abstract)
     backbone = build_model(cfg.model, cfg.seed, abstract=abstract)
     make = functools.partial(make_scorer, cfg, backbone.config, cfg.seed)
     scorers = nnx.eval_shape(make) if abstract else make()
     student = Student(backbone, scorers)
     graphdef, params = split_params(student)
-    t_def, t_params = split_params(teacher)
+    t_def, t_params = (None, None) if cached else split_params(teacher)
 
-    def loss_fn(p, frozen, batch, rng, step):
-        st = nnx.merge(graphdef, p)
+    def distill_loss(frozen, batch, s_logits):
+        mask = batch["loss_mask"]
+        if cached:
+            return cached_topk_kl(batch["teacher_logp"], batch["teacher_idx"], s_logits, mask)
         t_model = nnx.merge(t_def, frozen)
         th, _ = t_model(batch["tokens"])
         t_logits = jax.lax.stop_gradient(t_model.logits(th))
+        return (kl_distill(t_logits, s_logits, mask) if ev.kd_topk <= 0
+                else topk_kl_distill(t_logits, s_logits, mask, ev.kd_topk))
+
+    def loss_fn(p, frozen, batch, rng, step):
+        st = nnx.merge(graphdef, p)
         s_logits, per_layer = sparse_student_forward(st, batch["tokens"], cfg)
-        mask = batch["loss_mask"]
-        kd = (kl_distill(t_logits, s_logits, mask) if ev.kd_topk <= 0
-              else topk_kl_distill(t_logits, s_logits, mask, ev.kd_topk))
+        kd = distill_loss(frozen, batch, s_logits)
         S = batch["tokens"].shape[1]
         sample = jax.random.bernoulli(rng, ev.kvpop.pairwise_frac, (S,))
         reg = sum(regression_loss(r, t, centred=ev.kvpop.regression_centred) for r, _, t in per_layer) / len(per_layer)
@@ -110,5 +116,5 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
     def to_model(p):
         return nnx.merge(graphdef, p).backbone
 
-    return Task(graphdef, params, loss_fn, ("tokens", "loss_mask"), frozen=t_params, frozen_def=t_def,
-                to_model=to_model)
+    keys = ("tokens", "loss_mask") + (("teacher_logp", "teacher_idx") if cached else ())
+    return Task(graphdef, params, loss_fn, keys, frozen=t_params, frozen_def=t_def, to_model=to_model)

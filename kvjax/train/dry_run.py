@@ -64,6 +64,8 @@ def dry_run(cfg: TrainConfig) -> str:
         f"({n_dev} devices)",
         f"parameters: {total_params / 1e9:.3f} B trained ({cfg.model.param_dtype})"
         + (f" + {frozen_count / 1e9:.3f} B frozen teacher" if frozen_count else ""),
+        *([f"teacher: its top-{cfg.data.teacher_topk} log-probabilities read from {cfg.data.teacher_cache} "
+           f"(data.teacher_cache; no teacher in memory)"] if cfg.data.teacher_cache else []),
         "first parameters (shape, partition spec):", *rows,
         f"per device: parameters {dev_params / gib:.2f} GiB + optimizer state {dev_opt / gib:.2f} GiB"
         + (f" + teacher {dev_frozen / gib:.2f} GiB" if frozen_count else "")

@@ -4,7 +4,6 @@ evaluation, checkpoints with exact resume, and clean exit on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 from kvjax.configio import to_dict
 from kvjax.dir_lock import DirLock
 from kvjax.sharding import make_mesh
-from kvjax.train.checkpoint import Checkpointer, write_json_atomic
+from kvjax.train.checkpoint import Checkpointer, weights_fingerprint, write_json_atomic
 from kvjax.train.config import TrainConfig
 from kvjax.train.data import make_dataset, phase_seq_len, testbed_config
 from kvjax.train.metrics_log import MetricsLog
@@ -88,21 +87,6 @@ def meta_for(cfg: TrainConfig) -> dict:
     return meta
 
 
-def weights_fingerprint(directory, sample: int = 1 << 20) -> str:
-    """A cheap fingerprint of the ``*.safetensors`` under ``directory``: each file's name, size
-    and its first and last ``sample`` bytes (retrained weights differ there; no full read)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(directory).glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(sample))
-            if size > sample:
-                fh.seek(max(size - sample, sample))
-                h.update(fh.read(sample))
-    return h.hexdigest()[:16]
-
-
 def train(cfg: TrainConfig, *, stop_after: int | None = None, quiet: bool = False) -> dict:
     """Run (or resume) the training ``cfg`` describes; returns a summary dict.
 
@@ -137,6 +121,7 @@ class _Run:
     ckpt: Checkpointer | None = None
     meta: dict | None = None
     log: MetricsLog | None = None
+    teacher: Any = None        # the cached teacher top-k of data.path's rows (data.teacher_cache), else None
 
 
 def _setup(cfg: TrainConfig, out: Path, lead: bool, quiet: bool) -> _Run:
@@ -184,6 +169,13 @@ def _restore(run: _Run) -> int:
 def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quiet: bool) -> dict:
     run = _setup(cfg, out, lead, quiet)
     start = _restore(run)
+    if cfg.data.teacher_cache is not None:
+        from kvjax.train.data import JsonlTokenSource
+        from kvjax.train.teacher_cache import ensure_teacher_cache, load_teacher_cache
+
+        if lead:
+            ensure_teacher_cache(cfg, quiet=quiet)
+        run.teacher = load_teacher_cache(cfg, len(JsonlTokenSource(cfg.data.path, cfg.data.seq_len)))
     run.log = MetricsLog(out, tensorboard=cfg.log.tensorboard) if lead else None
     summary = _loop(run, start, stop_after)
     run.ckpt.wait()
@@ -215,7 +207,7 @@ def _loop(run: _Run, start: int, stop_after: int | None) -> dict:
         for step in range(start, total):
             pi, phase, local = _phase_at(phases, step)
             if pi not in datasets:
-                datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi)
+                datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi, run.teacher)
                 masks[pi] = trainable_mask(run.params, phase.trainable)
             batch_np = datasets[pi][local]
             batch = {k: _global(batch_np[k], run.batch_sharding) for k in run.task.batch_keys}

@@ -125,6 +125,15 @@ def test_export_from_a_distill_run(tmp_path):
     scorers, student = export_checkpoint(tmp_path / "run", tmp_path / "at2", 2)
     assert (scorers / "scorers.safetensors").read_bytes() == (out / "scorers.safetensors").read_bytes()
     assert kvjax.load_hf(student).config == teacher.config
+    # the pair: the scorers know their adapted backbone; with it they load quietly, with the original
+    # (frozen) weights they load and say so
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_scorers(scorers, model=kvjax.load_hf(student))
+    with pytest.warns(UserWarning, match="trained with an adapted backbone .* not as the pair that was trained"):
+        load_scorers(scorers, model=kvjax.load_hf(tmp_path / "teacher"))
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at step 1 \(kept: \[2\]\)"):
         export_checkpoint(tmp_path / "run", tmp_path / "at1", 1)
     # quality against steps: the step's scorers on its student and on the teacher, one evaluation
