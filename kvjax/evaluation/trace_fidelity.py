@@ -7,7 +7,14 @@ kept set of ``sinks + window + topk`` tokens per head), and at every position of
 assistant's tokens we compare the next-token distribution with the dense model's:
 
 - ``top1``: the share of positions whose argmax equals the dense argmax;
-- ``kl``: the mean ``KL(dense || policy)`` per position.
+- ``kl``: the mean ``KL(dense || policy)`` per position;
+- ``nll``: the policy's mean negative log-likelihood of the trace's next token (``ppl`` =
+  ``exp(nll)``, the held-out perplexity; policy ``dense`` gives the model's own).
+
+``adapted``: backbones trained to their bounded cache (``distill_kvpop``'s ``save_hf`` folder and
+its exported scorers) are measured against the *original* dense model: row ``label`` runs the
+adapted backbone with its scorers, ``label/dense`` the adapted backbone dense (what adaptation
+costs when the cache is not bounded), ``label/P`` each of ``adapted_policies`` on it.
 
 Budgets: a trace is cut to the longest of ``crops`` it reaches (few compiled shapes,
 and the compression is exact), and ``sinks + window + topk = round((1 - c) * crop)``.
@@ -30,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.eviction.config import kept_slots
+
 HEURISTICS = ("streaming_llm", "knorm", "random", "snapkv", "h2o", "tova")
 
 
@@ -42,6 +51,8 @@ class FidelityConfig:
     policies: list[str] = field(default_factory=lambda: ["streaming_llm", "knorm", "snapkv", "h2o", "tova",
                                                          "oracle"])
     learned: dict[str, str] = field(default_factory=dict)   # label -> exported scorer folder
+    adapted: dict[str, dict[str, str]] = field(default_factory=dict)  # label -> {model: HF folder, scorers: folder}
+    adapted_policies: list[str] = field(default_factory=list)  # also run on every adapted backbone (label/P)
     compressions: list[float] = field(default_factory=lambda: [0.75, 0.88])
     crops: list[int] = field(default_factory=lambda: [512, 768, 1024])
     sinks: int = 4
@@ -50,13 +61,22 @@ class FidelityConfig:
     max_traces: int = 0                    # the first N traces (0: all)
 
     def __post_init__(self):
+        for label, entry in self.adapted.items():
+            bad = sorted(set(entry) - {"model", "scorers"})
+            if bad or "model" not in entry:
+                raise ValueError(f"adapted.{label}: give {{model: HF folder, scorers: exported scorer folder}}"
+                                 + (f"; unknown key {bad[0]!r}" if bad else "; model is missing"))
+        oracles = [p for p in self.adapted_policies if p in ORACLES]
+        if oracles:
+            raise ValueError(f"adapted_policies: {oracles[0]} reads the original model's attention; "
+                             f"it cannot run on an adapted backbone")
         for c in self.compressions:
             if not 0.0 < c < 1.0:
                 raise ValueError(f"compressions: {c} is not in (0, 1)")
         for c in self.compressions:
             for n in self.crops:
-                if round((1 - c) * n) < self.sinks + self.window + 1:
-                    raise ValueError(f"compression {c} of a {n}-token crop leaves {round((1 - c) * n)} slots, "
+                if kept_slots(c, n) < self.sinks + self.window + 1:
+                    raise ValueError(f"compression {c} of a {n}-token crop leaves {kept_slots(c, n)} slots, "
                                      f"not more than sinks + window = {self.sinks + self.window}; lower the window")
 
 
@@ -81,16 +101,19 @@ def crop_of(n: int, crops) -> int | None:
     return fit[-1] if fit else None
 
 
-def _compare(dense_BSV, other_BSV, starts_B):
-    """Per row: (top-1 agreements, KL sum, positions) over positions ``>= start`` (predicting the next token)."""
+def _compare(dense_BSV, other_BSV, starts_B, tokens_BS):
+    """Per row: (top-1 agreements, KL sum, next-token NLL sum, positions) over positions ``>= start``
+    (each predicting the next token)."""
     p = jax.nn.log_softmax(dense_BSV, -1)
     q = jax.nn.log_softmax(other_BSV, -1)
     kl = jnp.sum(jnp.exp(p) * (p - q), -1)                                   # [B, S]
     agree = jnp.argmax(dense_BSV, -1) == jnp.argmax(other_BSV, -1)
+    nxt = jnp.concatenate([jnp.asarray(tokens_BS)[:, 1:], jnp.zeros_like(jnp.asarray(tokens_BS)[:, :1])], 1)
+    nll = -jnp.take_along_axis(q, nxt[..., None], -1)[..., 0]
     S = dense_BSV.shape[1]
     m = (jnp.arange(S)[None, :] >= starts_B[:, None]) & (jnp.arange(S)[None, :] < S - 1)
     return (np.asarray(jnp.sum(agree & m, 1)), np.asarray(jnp.sum(jnp.where(m, kl, 0.0), 1)),
-            np.asarray(jnp.sum(m, 1)))
+            np.asarray(jnp.sum(jnp.where(m, nll, 0.0), 1)), np.asarray(jnp.sum(m, 1)))
 
 
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
@@ -98,9 +121,11 @@ ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
 
 def _policy(name, ev, learned, oracle, context: int):
     """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the
-    budget); ``context``: the traces' (cropped) length."""
+    budget); ``context``: the traces' (cropped) length; ``dense``: None (no bound)."""
     from kvjax.eviction.policies import make_policy
 
+    if name == "dense":
+        return None
     if name in learned:
         return learned[name].at_budget(ev, context=context)
     return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
@@ -122,11 +147,24 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
     model = model or kvjax.load_hf(folder)
     rows = load_traces(cfg.traces, cfg.max_traces)
     learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
-    names = list(cfg.policies) + list(learned)
+    # name -> (model it runs on, name of its policy); adapted backbones are judged against the original
+    runs_on = {name: (model, name) for name in list(cfg.policies) + list(learned)}
+    digests = {lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()}
+    for label, entry in cfg.adapted.items():
+        m = kvjax.load_hf(entry["model"])
+        own = {"model": folder_digest(entry["model"])}
+        if "scorers" in entry:
+            learned[label] = kvjax.load_scorers(entry["scorers"], model=m)
+            runs_on[label] = (m, label)
+            digests[label] = {**own, "scorer": folder_digest(entry["scorers"])}
+        for p in ["dense", *cfg.adapted_policies]:
+            runs_on[f"{label}/{p}"] = (m, p)
+            digests[f"{label}/{p}"] = own
+    names = list(runs_on)
     run = {"model": config_hash(model.config), "traces": [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16]
                                                           for p in cfg.traces],
            "sinks": cfg.sinks, "window": cfg.window, "crops": sorted(cfg.crops), "metric": "fidelity-v1"}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies=digests)
     try:
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
@@ -156,14 +194,21 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
                         continue
                     if dense is None:
                         dense = kvjax.forward(model, tokens)
-                    pol = _policy(name, ev, learned, oracle, crop)
+                    m_run, p_name = runs_on[name]
+                    pol = _policy(p_name, ev, learned, oracle, crop)
                     t0 = time.time()
-                    logits = sparse_logits(model, tokens, pol) if pol.static else stepwise_logits(model, tokens, pol)
-                    agree, kl, n = _compare(dense, logits, starts)
+                    if pol is None:
+                        logits = dense if m_run is model else kvjax.forward(m_run, tokens)
+                    elif pol.static:
+                        logits = sparse_logits(m_run, tokens, pol)
+                    else:
+                        logits = stepwise_logits(m_run, tokens, pol)
+                    agree, kl, nll, n = _compare(dense, logits, starts, tokens)
                     sec = (time.time() - t0) / len(idx)
                     store.add([{"key": k, "id": rows[i]["id"], "kind": rows[i].get("kind"), "crop": crop,
                                 "compression": comp, "policy": name, "top1": [int(a), int(m)], "kl": float(s),
-                                "seconds": round(sec, 2)} for k, i, a, s, m in zip(keys, idx, agree, kl, n)])
+                                "nll": float(ll), "seconds": round(sec, 2)}
+                               for k, i, a, s, ll, m in zip(keys, idx, agree, kl, nll, n)])
         bar.close()
         return table(list(store.records.values()), names, cfg.compressions)
     finally:
@@ -185,20 +230,29 @@ def table(records: list[dict], policies, compressions) -> dict:
             se = lambda a: float(a.std(ddof=1) / np.sqrt(len(a))) if len(a) > 1 else float("nan")   # noqa: E731
             out[c][p] = {"top1": float(top1.mean()), "top1_se": se(top1), "kl": float(kl.mean()), "kl_se": se(kl),
                          "n": len(rs)}
+            if all("nll" in r for r in rs):     # records written before the nll field have none
+                nll = np.asarray([r["nll"] / r["top1"][1] for r in rs])
+                out[c][p].update(nll=float(nll.mean()), nll_se=se(nll), ppl=float(np.exp(nll.mean())))
     return out
 
 
 def markdown(tab: dict) -> str:
     comps = list(tab)
     policies = list(dict.fromkeys(p for c in comps for p in tab[c]))
-    head = "| policy | " + " | ".join(f"top-1 @ {c:.0%} | KL @ {c:.0%}" for c in comps) + " |"
-    lines = [head, "|---|" + "---|---|" * len(comps)]
+    ppl = any("ppl" in r for c in comps for r in tab[c].values())
+    per = ["top-1", "KL"] + (["ppl"] if ppl else [])
+    head = "| policy | " + " | ".join(f"{m} @ {c:.0%}" for c in comps for m in per) + " |"
+    lines = [head, "|---|" + "---|" * len(per) * len(comps)]
     for p in policies:
         cells = []
         for c in comps:
             r = tab[c].get(p)
-            cells += ([f"{r['top1']:.1%} ± {r['top1_se']:.1%}", f"{r['kl']:.3f} ± {r['kl_se']:.3f}"] if r
-                      else ["", ""])
+            if not r:
+                cells += [""] * len(per)
+                continue
+            cells += [f"{r['top1']:.1%} ± {r['top1_se']:.1%}", f"{r['kl']:.3f} ± {r['kl_se']:.3f}"]
+            if ppl:
+                cells.append(f"{r['ppl']:.3f}" if "ppl" in r else "")
         n = max((tab[c][p]["n"] for c in comps if p in tab[c]), default=0)
         lines.append(f"| {p} (N={n}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
