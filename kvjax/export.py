@@ -32,7 +32,6 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from kvjax.eviction.config import EvictionConfig
-from kvjax.eviction.learned import from_scorer
 from kvjax.eviction.policies import REGISTRY
 
 FORMAT_VERSION = 1
@@ -81,9 +80,11 @@ def _policy_from_run(run_dir: Path, step: int | None = None):
 
         policy = lkv_policy(student.lkv.heads, student.lkv.tokens, lkv_eviction_config(cfg))
         return policy, task.model(state["params"]).config, name, None
-    ev = EvictionConfig(cfg.eviction.sinks, cfg.eviction.window, cfg.eviction.topk)
-    kw = {"chunk": cfg.eviction.kvpop.mlstm_chunk} if cfg.eviction.kvpop.scorer == "mlstm" else {}
-    return from_scorer(student.scorers, ev, **kw), student.backbone.config, name, student.backbone
+    from kvjax.train.distill_kvpop import student_policy
+
+    policy = student_policy(student.scorers, cfg)                 # the policy the run trained through
+    return policy.at_budget(dataclasses.replace(policy.config, kernel="auto", kernel_interpret=False)), \
+        student.backbone.config, name, student.backbone
 
 
 def export_checkpoint(run_dir, out_dir, step: int) -> tuple[Path, Path | None]:

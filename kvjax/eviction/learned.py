@@ -74,8 +74,15 @@ class KVpopMLP(_Learned):
         sc = self.export_scorer()
         return {"hidden": int(sc.w1[...].shape[-1]), "activation": sc.activation}
 
+    def scores_and_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B=None):
+        """``(r_hat, p_hat, None)``, ``[B, K, S]`` each: the scorer's scores and static priorities
+        (the MLP keeps no state)."""
+        sc = self.scorer(params)
+        r = sc.scores(layer, k_BSKD, v_BSKD)
+        return r, static_priority(r, sc.decay(layer), positions_BS[:, None, :]), None
+
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
-        return self.scorer(params).priority(layer, k_BSKD, v_BSKD, t_BS)
+        return self.scores_and_priority(params, layer, k_BSKD, v_BSKD, t_BS)[1]
 
 
 @register
@@ -105,17 +112,19 @@ class KVpopMLSTM(_Learned):
         sc = self.scorer(params)
         return tuple(sc.init_state(batch) for _ in range(cfg.num_layers))
 
-    def training_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B=None):
-        """Priorities of a whole sequence (chunkwise form) and the memory after it."""
+    def scores_and_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B=None):
+        """``(r_hat, p_hat, memory)`` of a whole sequence (chunkwise form): the delayed scores and
+        static priorities ``[B, K, S]``, and the memory after each row's last real token."""
         sc = self.scorer(params)
         r, st = sc.prefill(layer, k_BSKD, v_BSKD, self.effective().window, lengths_B=lengths_B, chunk=self.chunk)
-        return static_priority(r, sc.decay(layer), positions_BS[:, None, :]), st
+        return r, static_priority(r, sc.decay(layer), positions_BS[:, None, :]), st
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
-        return self.training_priority(params, layer, k_BSKD, v_BSKD, t_BS)[0]
+        return self.scores_and_priority(params, layer, k_BSKD, v_BSKD, t_BS)[1]
 
     def prefill_priority(self, params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B, state):
-        return self.training_priority(params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B)
+        _, p, st = self.scores_and_priority(params, layer, k_BSKD, v_BSKD, positions_BS, lengths_B)
+        return p, st
 
     def exit_priority(self, params, layer, k_new_BKD, v_new_BKD, k_exit_BKD, v_exit_BKD, t_B, state):
         sc = self.scorer(params)

@@ -1,11 +1,13 @@
 """``distill_kvpop``: a dense frozen teacher distils into a sparse student (the same
 weights, attending under the keep rule of its own KVpop scorer).
 
-Per layer of the student's forward: scorer scores ``r_hat`` on ``stop_gradient([k; v])``,
-static priorities ``p_hat = r_hat + lambda t``, their ranks and Fenwick cutoffs, the
-keep-rule attention returning the log-sum-exp, and the future-attention target ``r_tgt``
-from a transposed pass reusing that LSE (``stop_gradient``) -- both by the
-``pallas_kernels`` ops, on the backend ``eviction.kernel`` names. Loss:
+Per layer of the student's forward, through the methods of the KVpop policy that decoding runs
+(:func:`student_policy`, so the trained attention is the decoded one by construction): scorer
+scores ``r_hat`` on ``stop_gradient([k; v])`` and static priorities ``p_hat = r_hat + lambda t``
+(``scores_and_priority``), the keep-rule attention of the ranks and Fenwick cutoffs, returning
+the log-sum-exp (``sparse_attention``, every head at ``eviction.topk``), and the
+future-attention target ``r_tgt`` from a transposed pass reusing that LSE (``stop_gradient``)
+-- by the ``pallas_kernels`` ops, on the backend ``eviction.kernel`` names. Loss:
 
     kd_weight * KL(teacher || student)                       -> backbone only
                       (``data.teacher_cache``: the teacher's top-k computed once,
@@ -20,13 +22,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
+from kvjax.eviction.config import EvictionConfig
+from kvjax.eviction.learned import from_scorer
 from kvjax.losses import boundary_pairwise_loss, cached_topk_kl, kl_distill, regression_loss, topk_kl_distill
 from kvjax.scorers import MLPScorer, MLSTMScorer
-from kvjax.eviction.keep_rule import static_priority
 from kvjax.train.config import TrainConfig
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
@@ -50,28 +53,26 @@ def make_scorer(cfg: TrainConfig, model_cfg, seed: int):
                        readout_norm=ev.kvpop.mlstm_readout_norm, rngs=rngs)
 
 
-def scorer_outputs(scorer, layer, k_BSKD, v_BSKD, positions_BS, window: int, chunk: int):
-    """``(r_hat, p_hat)`` ``[B, K, S]`` for a whole sequence."""
-    if isinstance(scorer, MLSTMScorer):
-        r = scorer.scores(layer, k_BSKD, v_BSKD, window, chunk=chunk)
-    else:
-        r = scorer.scores(layer, k_BSKD, v_BSKD)
-    return r, static_priority(r, scorer.decay(layer), positions_BS[:, None, :])
+def student_policy(scorers, cfg: TrainConfig):
+    """The KVpop policy of ``scorers`` at the run's uniform budget (``eviction.sinks/window/topk``,
+    its kernel): the policy a ``distill_kvpop`` step trains through and :mod:`kvjax.export` ships."""
+    ev = cfg.eviction
+    conf = EvictionConfig(ev.sinks, ev.window, ev.topk, kernel=ev.kernel, kernel_interpret=ev.kernel_interpret)
+    return from_scorer(scorers, conf, **({"chunk": ev.kvpop.mlstm_chunk} if ev.kvpop.scorer == "mlstm" else {}))
 
 
 def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
     """Student logits under its keep rule, and per-layer ``(r_hat, p_hat, r_tgt)``."""
     ev = cfg.eviction
-
-    kernel = dict(backend=ev.kernel, interpret=ev.kernel_interpret)
+    policy = student_policy(student.scorers, cfg)
+    sg = jax.lax.stop_gradient
 
     def backend(layer, q, k, v, positions, acc):
-        r_hat, p_hat = scorer_outputs(student.scorers, layer, k, v, positions, ev.window, ev.kvpop.mlstm_chunk)
-        rank = token_ranks(jax.lax.stop_gradient(p_hat))
-        cut = cutoffs_from_ranks(rank, sinks=ev.sinks, window=ev.window, topk=ev.topk)
-        out, lse = pallas_kernels.sparse_attention(q, k, v, rank, cut, sinks=ev.sinks, window=ev.window, **kernel)
-        sg = jax.lax.stop_gradient
-        tgt = pallas_kernels.transposed_target(sg(q), sg(k), sg(lse), window=ev.window, **kernel)
+        r_hat, p_hat, _ = policy.scores_and_priority(policy.params, layer, k, v, positions)
+        budget_BK = jnp.full(p_hat.shape[:2], ev.topk, jnp.int32)
+        out, lse = policy.sparse_attention(q, k, v, sg(p_hat), budget_BK)
+        tgt = pallas_kernels.transposed_target(sg(q), sg(k), sg(lse), window=ev.window, backend=ev.kernel,
+                                               interpret=ev.kernel_interpret)
         return out, acc + ((r_hat, p_hat, sg(tgt)),)
 
     h, per_layer = student.backbone(tokens_BS, None, backend, ())

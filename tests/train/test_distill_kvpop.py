@@ -43,3 +43,21 @@ def test_gradient_separation(hf_dir, scorer):
     assert any(v for k, v in ret_nz.items() if k.startswith("scorers"))
     assert not any(v for k, v in kd_nz.items() if k.startswith("scorers"))
     assert any(v for k, v in kd_nz.items() if k.startswith("backbone"))
+
+
+@pytest.mark.parametrize("scorer", ["mlp", "mlstm"])
+def test_the_trained_attention_is_the_decoded_one(hf_dir, scorer):
+    """The student's training forward runs through its policy's methods: its logits are the
+    policy's teacher-forced sparse logits and its token-by-token decode logits."""
+    from kvjax.eviction.forced import sparse_logits, stepwise_logits
+    from kvjax.train.distill_kvpop import student_policy
+
+    model = kvjax.load_hf(hf_dir("qwen3-gqa")[0])
+    cfg = TrainConfig(steps=1, eviction=EvictionSection(sinks=2, window=6, topk=10, kvpop=KVpopSection(scorer=scorer)))
+    student = Student(model, make_scorer(cfg, model.config, 0))
+    tokens = np.random.RandomState(3).randint(3, 97, (2, 48))
+    trained, _ = sparse_student_forward(student, jnp.asarray(tokens), cfg)
+    policy = student_policy(student.scorers, cfg)
+    np.testing.assert_allclose(np.asarray(trained), np.asarray(sparse_logits(model, tokens, policy)), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(trained), np.asarray(stepwise_logits(model, tokens, policy)), atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(trained) - np.asarray(kvjax.forward(model, tokens))).max() > 1e-2
