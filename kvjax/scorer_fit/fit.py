@@ -84,10 +84,7 @@ def scorer_scores(scorer, x_BSLKX, lengths_B, window: int, chunk: int):
     out = []
     for layer in range(x_BSLKX.shape[2]):
         k, v = x_BSLKX[:, :, layer, :, :D], x_BSLKX[:, :, layer, :, D:]
-        if isinstance(scorer, MLSTMScorer):
-            out.append(scorer.scores(layer, k, v, window, chunk=chunk, lengths_B=lengths_B))
-        else:
-            out.append(scorer.scores(layer, k, v))
+        out.append(scorer.scores(layer, k, v, window, chunk=chunk, lengths_B=lengths_B))
     return jnp.stack(out)
 
 

@@ -45,14 +45,21 @@ class MLPScorer(nnx.Module):
         """``lambda_h = softplus(rho_h) >= 0`` for ``layer``: ``[K]``."""
         return jax.nn.softplus(self.decay_raw[...][layer])
 
-    def scores(self, layer, k_BSKD: jax.Array, v_BSKD: jax.Array) -> jax.Array:
-        """Log-space scores ``r_t``: float32 ``[B, K, S]`` (works for ``S = 1`` at decode)."""
+    def scores(self, layer, k_BSKD: jax.Array, v_BSKD: jax.Array, window: int = 0, *, chunk: int = 64,
+               lengths_B=None) -> jax.Array:
+        """Log-space scores ``r_t``: float32 ``[B, K, S]`` (works for ``S = 1`` at decode).
+
+        The signature is :meth:`MLSTMScorer.scores`'s, so callers need not ask which scorer they
+        hold; the MLP reads each token alone, so ``window``, ``chunk`` and ``lengths_B`` leave its
+        scores unchanged."""
         x_BSKX = stop_features(k_BSKD, v_BSKD)
         act = ACTIVATIONS[self.activation]
         hid_BSKF = act(jnp.einsum("bskx,kxf->bskf", x_BSKX, self.w1[...][layer]) + self.b1[...][layer])
         r_BSK = jnp.einsum("bskf,kf->bsk", hid_BSKF, self.w2[...][layer]) + self.b2[...][layer]
         return jnp.transpose(r_BSK, (0, 2, 1))
 
-    def priority(self, layer, k_BSKD: jax.Array, v_BSKD: jax.Array, t_BS: jax.Array) -> jax.Array:
-        """Static priority ``p_t = r_t + lambda_h t``: ``[B, K, S]``; ``t_BS`` are the tokens' positions."""
-        return static_priority(self.scores(layer, k_BSKD, v_BSKD), self.decay(layer), t_BS[:, None, :])
+    def priority(self, layer, k_BSKD: jax.Array, v_BSKD: jax.Array, t_BS: jax.Array, window: int = 0,
+                 **kw) -> jax.Array:
+        """Static priority ``p_t = r_t + lambda_h t``: ``[B, K, S]``; ``t_BS`` are the tokens' positions
+        (:meth:`MLSTMScorer.priority`'s signature; ``window`` and ``kw`` as in :meth:`scores`)."""
+        return static_priority(self.scores(layer, k_BSKD, v_BSKD, window, **kw), self.decay(layer), t_BS[:, None, :])
