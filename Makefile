@@ -67,6 +67,7 @@ adapted: traces
 		$(PY) -c "from kvjax.export import export_checkpoint as e; e('runs/$$run', 'runs/$$run/export', 200)" || exit 1; \
 	done
 	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2-adapted.yaml
+	$(PY) -m kvjax.evaluation.trace_fidelity --config configs/fidelity-smollm2-adapted-94.yaml
 
 # Trace fidelity (teacher-forced top-1 agreement and KL vs dense, bounded throughout) and the
 # seed's Figures 6/7 (retention vs the oracle) of every policy on the held-out traces.
