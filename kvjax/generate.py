@@ -14,8 +14,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
+from kvjax import decode
 from kvjax.cache import DenseKV
 from kvjax.models.decoder import Decoder
 from kvjax.sampling import bucket, check_sampling, sample_logits
@@ -152,42 +153,46 @@ def _generate(graphdef, policy, params, policy_params, tokens_BS, lengths_B, key
     ``max_new`` and the sampling knobs are traced, so only the shapes pick a program.
     """
     model = nnx.merge(graphdef, params)
-    B, S = tokens_BS.shape
-    state = policy.init(policy_params, model.config, B, cache_len, model.dtype, lengths_B)
-    backend = functools.partial(policy.backend, policy_params)
-    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    hidden, state = model(tokens_BS, positions, backend, state)
-    last = jnp.take_along_axis(hidden, (lengths_B - 1)[:, None, None], axis=1)
-    key, sub = jax.random.split(key)
+    B = tokens_BS.shape[0]
+    attend = decode.bind(policy, policy_params)
+    state = decode.open_state(model, policy, policy_params, B, cache_len, lengths_B, key=key)
+    hidden, state = decode.feed_prompt(model, attend, state, tokens_BS, lengths_B)
+    key, sub = jax.random.split(state.key)
     pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    first = pick(model.logits(last)[:, 0], sub)
-    return decode_loop(model, backend, state, first, lengths_B, key, max_new, pick, new_cap=new_cap,
-                       eos_ids=eos_ids, pad_id=pad_id)
+    state = state.replace(token=pick(decode.last_logits(model, hidden, lengths_B), sub), key=key)
+    return decode_loop(model, attend, state, max_new, pick, new_cap=new_cap, eos_ids=eos_ids, pad_id=pad_id)
 
 
-def decode_loop(model, backend, state, first_B, next_pos_B, key, max_new, pick, *, new_cap: int,
+@struct.dataclass
+class Generation:
+    """The carry of generation: the decode state and the new tokens so far."""
+
+    state: decode.DecodeState
+    out: jax.Array              # int32 [B, new_cap]
+
+
+def decode_loop(model, attend, state: decode.DecodeState, max_new, pick, *, new_cap: int,
                 eos_ids: tuple[int, ...], pad_id: int):
-    """The decode ``lax.while_loop`` (inside a jit): ``first_B`` is every row's first new
-    token, fed at position ``next_pos_B``; stops when every row has emitted an EOS or
-    ``max_new`` tokens. Returns the new tokens ``int32 [B, new_cap]`` (``pad_id`` after EOS)."""
+    """The decode ``lax.while_loop`` (inside a jit): ``state.token`` is every row's first new
+    token, fed at ``state.position``; stops when every row has emitted an EOS or ``max_new``
+    tokens. Returns the new tokens ``int32 [B, new_cap]`` (``pad_id`` after EOS)."""
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
-    B = first_B.shape[0]
+    B = state.token.shape[0]
 
-    def cond(c):
-        i, _, done, _, _, _ = c
-        return (i < max_new) & ~jnp.all(done)
+    def cond(g: Generation):
+        return (g.state.step < max_new) & ~jnp.all(g.state.done)
 
-    def body(c):
-        i, tok, done, state, out, key = c
-        tok = jnp.where(done, pad_id, tok)
-        out = out.at[:, i].set(tok)
-        done = done | jnp.isin(tok, eos)
-        h, state = model(tok[:, None], (next_pos_B + i)[:, None], backend, state)
-        key, sub = jax.random.split(key)
-        return i + 1, pick(model.logits(h)[:, 0], sub), done, state, out, key
+    def body(g: Generation):
+        st = g.state
+        tok = jnp.where(st.done, pad_id, st.token)
+        out = g.out.at[:, st.step].set(tok)
+        done = st.done | jnp.isin(tok, eos)
+        logits, st = decode.decode_step(model, attend, st, tok)
+        key, sub = jax.random.split(st.key)
+        return Generation(st.replace(token=pick(logits, sub), done=done, key=key), out)
 
-    init = (jnp.int32(0), first_B, jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32), key)
-    return jax.lax.while_loop(cond, body, init)[4]
+    init = Generation(state, jnp.full((B, new_cap), pad_id, jnp.int32))
+    return jax.lax.while_loop(cond, body, init).out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), static_argnames=("new_cap", "eos_ids", "pad_id", "cache_len"))
@@ -199,32 +204,32 @@ def _generate_stepwise(graphdef, policy, params, policy_params, tokens_BS, lengt
     the policy keeps (bounded throughout, whatever the policy's prefill does)."""
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
-    state = policy.init(policy_params, model.config, B, cache_len, model.dtype, jnp.ones((B,), jnp.int32))
-    backend = functools.partial(policy.backend, policy_params)
+    attend = decode.bind(policy, policy_params)
+    state = decode.open_state(model, policy, policy_params, B, cache_len, jnp.ones((B,), jnp.int32), key=key)
+    state = state.replace(token=tokens_BS[:, 0])
     pick = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
     rows = jnp.arange(B)
 
-    def cond(c):
-        i, _, done, _, _, _ = c
-        return (i < S + max_new - 1) & ~jnp.all(done)
+    def cond(g: Generation):
+        return (g.state.step < S + max_new - 1) & ~jnp.all(g.state.done)
 
-    def body(c):
-        i, prev, done, state, out, key = c
-        tok = jnp.where(i < lengths_B, tokens_BS[:, jnp.minimum(i, S - 1)], prev)
-        h, state = model(tok[:, None], jnp.full((B, 1), i, jnp.int32), backend, state)
-        key, sub = jax.random.split(key)
-        nxt = pick(model.logits(h)[:, 0], sub)
+    def body(g: Generation):
+        st = g.state
+        i = st.step
+        tok = jnp.where(i < lengths_B, tokens_BS[:, jnp.minimum(i, S - 1)], st.token)
+        logits, st = decode.decode_step(model, attend, st, tok)
+        key, sub = jax.random.split(st.key)
+        nxt = pick(logits, sub)
         j = i + 1 - lengths_B                                  # nxt is new token j of its row
-        live = (j >= 0) & (j < max_new) & ~done
+        live = (j >= 0) & (j < max_new) & ~st.done
         col = jnp.clip(j, 0, new_cap - 1)
-        out = out.at[rows, col].set(jnp.where(live, nxt, out[rows, col]))
-        done = done | (live & jnp.isin(nxt, eos)) | (j >= max_new - 1)
-        return i + 1, nxt, done, state, out, key
+        out = g.out.at[rows, col].set(jnp.where(live, nxt, g.out[rows, col]))
+        done = st.done | (live & jnp.isin(nxt, eos)) | (j >= max_new - 1)
+        return Generation(st.replace(token=nxt, done=done, key=key), out)
 
-    init = (jnp.int32(0), tokens_BS[:, 0], jnp.zeros(B, bool), state, jnp.full((B, new_cap), pad_id, jnp.int32),
-            key)
-    return jax.lax.while_loop(cond, body, init)[4]
+    init = Generation(state, jnp.full((B, new_cap), pad_id, jnp.int32))
+    return jax.lax.while_loop(cond, body, init).out
 
 
 def _hf_layout(tokens_BS: np.ndarray, lengths_B: np.ndarray, new_BN: np.ndarray, pad_id: int) -> np.ndarray:

@@ -99,37 +99,39 @@ def time_kvjax_decode(model, kind: str, length: int, batch: int, steps: int, rep
     import jax.numpy as jnp
     from flax import nnx
 
+    from kvjax import decode
+
     cfg = model.config
     policy = _kvjax_policy(kind, cfg, budget)
     graphdef, params = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnums=(2,))
-    def decode(params, pparams, state, tok_B, pos0):
+    def run(params, pparams, state):
         m = nnx.merge(graphdef, params)
-        backend = functools.partial(policy.backend, pparams)
+        attend = decode.bind(policy, pparams)
 
-        def step(i, carry):
-            tok, st = carry
-            h, st = m(tok[:, None], jnp.full((batch, 1), pos0 + i, jnp.int32), backend, st)
-            return jnp.argmax(m.logits(h)[:, 0], -1).astype(jnp.int32), st
+        def step(i, st):
+            logits, st = decode.decode_step(m, attend, st)
+            return st.replace(token=jnp.argmax(logits, -1).astype(jnp.int32))
 
-        return jax.lax.fori_loop(0, steps, step, (tok_B, state))
+        return jax.lax.fori_loop(0, steps, step, state)
 
     def fresh():
-        return policy.init(policy.params, cfg, batch, length + steps, model.dtype, jnp.full((batch,), length))
+        return decode.open_state(model, policy, policy.params, batch, length + steps, jnp.full((batch,), length),
+                                 position_B=jnp.full((batch,), length, jnp.int32)).replace(
+                                     token=jnp.ones((batch,), jnp.int32))
 
-    tok = jnp.ones((batch,), jnp.int32)
     state = fresh()
-    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.cache))
     t = time.perf_counter()
-    jax.block_until_ready(decode(params, policy.params, state, tok, jnp.int32(length)))
+    jax.block_until_ready(run(params, policy.params, state))
     compile_s = time.perf_counter() - t
     times = []
     for _ in range(repeats):
         state = fresh()
         jax.block_until_ready(state)
         t = time.perf_counter()
-        jax.block_until_ready(decode(params, policy.params, state, tok, jnp.int32(length)))
+        jax.block_until_ready(run(params, policy.params, state))
         times.append((time.perf_counter() - t) / steps)
     weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     return {"impl": f"kvjax-{kind}", "length": length, "batch": batch, "latency_s": float(np.median(times)),

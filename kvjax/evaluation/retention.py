@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax import decode
 from kvjax.cache.slots import long_range_positions
 
 
@@ -24,9 +25,9 @@ from kvjax.cache.slots import long_range_positions
 def _prefill_slots(graphdef, policy, params, policy_params, tokens_BS, lengths_B):
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
-    state = policy.init(policy_params, model.config, B, S, model.dtype, lengths_B)
-    positions = jnp.broadcast_to(jnp.arange(S), (B, S))
-    _, state = model(tokens_BS, positions, functools.partial(policy.backend, policy_params), state)
+    state = decode.open_state(model, policy, policy_params, B, S, lengths_B)
+    _, state = decode.feed_prompt(model, decode.bind(policy, policy_params), state, tokens_BS, lengths_B)
+    state = state.cache
     ev = policy.effective()
     q_B = lengths_B - 1
     every = jnp.stack([buf.pos for buf in state.layers])                                # [L, B, K, N]

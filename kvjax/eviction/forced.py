@@ -13,13 +13,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax import decode
+
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _sparse(graphdef, policy, params, policy_params, tokens_BS):
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
-    cache = policy.init(policy_params, model.config, B, S, model.dtype, jnp.full((B,), S, jnp.int32))
-    h, _ = model(tokens_BS, None, functools.partial(policy.backend, policy_params), cache)
+    lengths = jnp.full((B,), S, jnp.int32)
+    state = decode.open_state(model, policy, policy_params, B, S, lengths)
+    h, _ = decode.feed_prompt(model, decode.bind(policy, policy_params), state, tokens_BS, lengths)
     return model.logits(h)
 
 
@@ -27,15 +30,14 @@ def _sparse(graphdef, policy, params, policy_params, tokens_BS):
 def _stepwise(graphdef, policy, params, policy_params, tokens_BS):
     model = nnx.merge(graphdef, params)
     B, S = tokens_BS.shape
-    cache = policy.init(policy_params, model.config, B, S, model.dtype, jnp.ones((B,), jnp.int32))
-    backend = functools.partial(policy.backend, policy_params)
+    state = decode.open_state(model, policy, policy_params, B, S, jnp.ones((B,), jnp.int32))
+    attend = decode.bind(policy, policy_params)
 
-    def step(cache, xs):
-        tok_B, q = xs
-        h, cache = model(tok_B[:, None], jnp.full((B, 1), q, jnp.int32), backend, cache)
-        return cache, model.logits(h)[:, 0]
+    def step(state, tok_B):
+        logits, state = decode.decode_step(model, attend, state, tok_B)
+        return state, logits
 
-    _, logits_SBV = jax.lax.scan(step, cache, (tokens_BS.T, jnp.arange(S)))
+    _, logits_SBV = jax.lax.scan(step, state, tokens_BS.T)
     return jnp.swapaxes(logits_SBV, 0, 1)
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from kvjax import decode
 from kvjax.cache import CompactCache, CompressedCache, DenseCache, dense_cache_attention
 from kvjax.cache.compressed import attend_compact, compact
 from kvjax.eviction.prompt_compressed import PromptCompressed
@@ -103,7 +104,7 @@ def _statistic_priorities(policy: PromptCompressed, params, pre: ContextPrefill)
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill, prio_LBKS) -> CompressedCache:
     B, K, T, _ = pre.dense.k[0].shape
-    cache = policy.init(params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
+    cache = decode.open_cache(policy, params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
     if policy.ranker.static:        # priorities from keys and values, each layer's scorer its own
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         keeps = tuple(policy.layer_keep(params, layer, None, jnp.swapaxes(pre.dense.k[layer], 1, 2),
@@ -157,14 +158,11 @@ def uncompressed(pre: ContextPrefill) -> CompressedCache:
 def _answer(graphdef, params, cache: CompactCache, question_BQ, question_B, context_B, max_new, *, new_cap: int,
             eos_ids: tuple[int, ...], pad_id: int):
     model = nnx.merge(graphdef, params)
-    Q = question_BQ.shape[1]
-    positions = context_B[:, None] + jnp.arange(Q)[None, :]
-    hidden, cache = model(question_BQ, positions, attend_compact, cache)
-    last = jnp.take_along_axis(hidden, (question_B - 1)[:, None, None], axis=1)
+    state = decode.start(cache, context_B)
+    hidden, state = decode.feed_prompt(model, attend_compact, state, question_BQ, question_B)
     pick = lambda logits, _key: jnp.argmax(logits, axis=-1).astype(jnp.int32)      # noqa: E731  greedy
-    first = pick(model.logits(last)[:, 0], None)
-    return decode_loop(model, attend_compact, cache, first, context_B + question_B, jax.random.key(0), max_new,
-                       pick, new_cap=new_cap, eos_ids=eos_ids, pad_id=pad_id)
+    state = state.replace(token=pick(decode.last_logits(model, hidden, question_B), None))
+    return decode_loop(model, attend_compact, state, max_new, pick, new_cap=new_cap, eos_ids=eos_ids, pad_id=pad_id)
 
 
 def answer(model, cache: CompressedCache | CompactCache, questions, context_B, max_new: int, *, eos_ids,

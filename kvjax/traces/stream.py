@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax.cache import DenseCache, dense_cache_attention
+from kvjax import decode
+from kvjax.cache import DenseKV, dense_cache_attention
 from kvjax.sampling import bucket, sample_logits
 
 # why a row stalled (host-visible ``reason``)
@@ -48,14 +49,14 @@ def _advance(graphdef, params, cache, small, seed_key, temperature, top_k, top_p
         return jax.random.fold_in(jax.random.fold_in(seed_key, key_id), pos)
 
     def step(i, carry):
-        cache, s, fed = carry
+        st, s, fed = carry["decode"], carry["rows"], carry["fed"]
         running = s["reason"] == RUNNING
         forced = s["fptr"] < s["flen"]
         x = jnp.where(forced, s["force"][rows, jnp.minimum(s["fptr"], F - 1)], s["next"])
         pos = jnp.minimum(s["pos"], T - 1)
-        h, cache = model(x[:, None], pos[:, None], attend, cache)
+        logits, st = decode.decode_step(model, attend, st.replace(position=pos), x)
         keys = jax.vmap(row_key)(s["key_id"], pos + 1)
-        y = sample_logits(model.logits(h)[:, 0], keys, temperature, top_k, top_p)
+        y = sample_logits(logits, keys, temperature, top_k, top_p)
         sampled = running & ~forced
         new_pos = s["pos"] + running
         turn_gen = s["turn_gen"] + sampled
@@ -65,10 +66,12 @@ def _advance(graphdef, params, cache, small, seed_key, temperature, top_k, top_p
                                                jnp.where(sampled & (turn_gen >= turn_cap), TURN_CAP, RUNNING))))
         s = {**s, "pos": new_pos, "turn_gen": turn_gen, "reason": reason,
              "fptr": s["fptr"] + (running & forced), "next": jnp.where(running, y, s["next"])}
-        return cache, s, fed.at[:, i].set(jnp.where(running, x, -1))
+        return {"decode": st, "rows": s, "fed": fed.at[:, i].set(jnp.where(running, x, -1))}
 
-    fed = jnp.full((B, steps), -1, jnp.int32)
-    return jax.lax.fori_loop(0, steps, step, (cache, small, fed))
+    carry = {"decode": decode.start(cache, small["pos"]), "rows": small,
+             "fed": jnp.full((B, steps), -1, jnp.int32)}
+    carry = jax.lax.fori_loop(0, steps, step, carry)
+    return carry["decode"].cache, carry["rows"], carry["fed"]
 
 
 @dataclass
@@ -101,7 +104,8 @@ class StreamSampler:
                              f"{self.model.config.max_position_embeddings}")
         B = self.batch
         self._graphdef, self._params = nnx.split(self.model)
-        self._cache = DenseCache.init(self.model.config, B, self.max_len, jnp.dtype(self.cache_dtype))
+        self._cache = decode.open_cache(DenseKV(), None, self.model.config, B, self.max_len,
+                                        jnp.dtype(self.cache_dtype), np.zeros(B, np.int32))
         self.small = {"pos": np.zeros(B, np.int32), "next": np.zeros(B, np.int32),
                       "force": np.zeros((B, self.max_len), np.int32), "fptr": np.zeros(B, np.int32),
                       "flen": np.zeros(B, np.int32), "turn_gen": np.zeros(B, np.int32),
