@@ -67,6 +67,25 @@ def resolve_policy(policy, length: int | None = None, compression: float | None 
     return policy
 
 
+def prefill_mode(policy) -> str:
+    """How ``policy``'s prompt enters the cache (``EvictionConfig.prefill``; ``"auto"`` for the
+    dense cache and for a policy built already compressed)."""
+    config = getattr(policy, "config", None)
+    return getattr(config, "prefill", "auto")
+
+
+def _compressed(policy, compression, lengths_B):
+    """``policy`` under ``prefill="compressed"``: each row's prompt compressed once at the ratio."""
+    from kvjax.eviction.prompt_compressed import prompt_compressed
+
+    ratio = compression if compression is not None else getattr(policy, "compression", None)
+    if ratio is None:
+        raise ValueError(f"policy {policy.name!r} has prefill='compressed', which keeps a share of each prompt: "
+                         "give generate(..., compression=c) or make the policy with a compression ratio")
+    ranker = policy.at_compression(ratio, int(np.max(lengths_B)))
+    return prompt_compressed(ranker, ratio, lengths_B)
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationStats:
     """What a :func:`generate` call held in its KV cache (``return_stats=True``)."""
@@ -95,7 +114,7 @@ def generation_stats(model, policy, batch: int, prompt_length: int, new_tokens: 
     cfg = model.config
     per_slot = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     n = prompt_length + new_tokens
-    if isinstance(policy, DenseKV):
+    if isinstance(policy, DenseKV) or not hasattr(policy, "effective"):   # dense, or compressed in a dense cache
         slots, kv = n, per_slot * n
     else:
         ev = policy.effective()
@@ -258,8 +277,8 @@ def _check_token_ids(prompt) -> None:
 def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, attention_mask=None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             max_cache_len: int | None = None, bucket_lengths: bool = True, prefill: str = "auto",
-             compression: float | None = None, return_stats: bool = False):
+             max_cache_len: int | None = None, bucket_lengths: bool = True, compression: float | None = None,
+             return_stats: bool = False):
     """Jitted prefill + decode -> ``int32 [B, S + max_new_tokens]`` (with ``return_stats``, also
     a :class:`GenerationStats`: the KV bytes held against a dense cache).
 
@@ -277,15 +296,18 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     up to shared sizes (:func:`kvjax.sampling.bucket`) inside, so calls with many different
     lengths reuse a bounded number of compiled programs; the tokens are the same.
 
-    ``prefill="auto"`` processes the prompt in one pass: the dense cache attends densely,
-    policies with static priorities keep their budget already in the prompt (keep-rule
+    How the prompt enters the cache is the policy's setting, ``EvictionConfig.prefill``
+    (``policy.with_prefill(mode)``): ``"auto"`` (default) one pass: the dense cache attends
+    densely, policies with static priorities keep their budget already in the prompt (keep-rule
     attention), and attention-statistic policies (SnapKV, H2O, TOVA) attend densely and
-    compress when the prompt ends. ``prefill="stepwise"`` feeds the prompt token by token
-    through the decode path instead, so every policy is bounded throughout (slower: one
-    step per prompt token).
+    compress when the prompt ends; ``"chunked"`` the same kept sets ``prefill_chunk`` queries at
+    a time; ``"stepwise"`` the prompt token by token through the decode path, so every policy is
+    bounded throughout (slower: one step per prompt token); ``"compressed"`` kvpress's setting:
+    a dense prefill, each row's prompt compressed once to ``round((1 - c) n_b)`` entries per
+    head, and nothing evicted afterwards (the compression ``c`` from ``compression`` or the
+    policy's own; the evicted entries are masked in a dense cache, so ``return_stats`` reports
+    no bytes saved; :func:`kvjax.eviction.shared_prefill.answer` drops them).
     """
-    if prefill not in ("auto", "stepwise"):
-        raise ValueError(f"prefill must be 'auto' or 'stepwise', got {prefill!r}")
     cfg = model.config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -308,7 +330,12 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     if need > cfg.max_position_embeddings:
         raise ValueError(f"max_new_tokens: prompt length {S} + max_new_tokens {max_new_tokens} "
                          f"= {need} exceeds the model's max_position_embeddings={cfg.max_position_embeddings}")
-    policy = resolve_policy(policy, S, compression)
+    if isinstance(policy, str):
+        policy = resolve_policy(policy)
+    if prefill_mode(policy) == "compressed":
+        policy = _compressed(policy, compression, lengths)
+    else:
+        policy = resolve_policy(policy, S, compression)
     if hasattr(policy, "check_model"):
         policy.check_model(cfg)
     if hasattr(policy, "prepare"):             # a ranker with a pass of its own (KVzip's reconstruction)
@@ -317,7 +344,7 @@ def generate(model: Decoder, prompt, max_new_tokens: int, *, policy=None, temper
     padded = np.full((tokens.shape[0], S_b), pad_token_id, np.int32)
     padded[:, :S] = tokens
     graphdef, params = nnx.split(model)
-    run = _generate_stepwise if prefill == "stepwise" else _generate
+    run = _generate_stepwise if prefill_mode(policy) == "stepwise" else _generate
     new = run(graphdef, policy, params, policy.params, jnp.asarray(padded), jnp.asarray(lengths),
                     jax.random.key(seed), jnp.int32(max_new), jnp.float32(temperature), jnp.int32(top_k),
                     jnp.float32(top_p), new_cap=N_b, eos_ids=tuple(int(e) for e in eos),

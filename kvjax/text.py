@@ -111,15 +111,14 @@ def split_prompts(prompts) -> tuple[list, bool]:
 def generate_text(model, tokenizer, prompts: str | Sequence[str | Messages], max_new_tokens: int = 256, *,
                   policy=None, compression: float | None = None, chat: bool | None = None,
                   system: str | None = None, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                  seed: int = 0, skip_special_tokens: bool = True, prefill: str = "auto",
-                  max_cache_len: int | None = None, return_stats: bool = False):
+                  seed: int = 0, skip_special_tokens: bool = True, max_cache_len: int | None = None, return_stats: bool = False):
     """Generate continuations of ``prompts`` and return them as strings (with ``return_stats``,
     also the :class:`kvjax.generate.GenerationStats` of the call: KV bytes held against dense).
 
     One string in gives one string out; a list gives a list (ragged prompts are batched
     together). Rows stop at the model's or the tokenizer's end-of-turn token, which is
-    not part of the returned text. ``policy``, ``compression``, ``prefill`` and
-    ``max_cache_len`` are :func:`kvjax.generate`'s.
+    not part of the returned text. ``policy``, ``compression`` and ``max_cache_len`` are
+    :func:`kvjax.generate`'s (how the prompt enters is the policy's ``EvictionConfig.prefill``).
     """
     from kvjax.generate import generate
 
@@ -129,7 +128,7 @@ def generate_text(model, tokenizer, prompts: str | Sequence[str | Messages], max
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     out, stats = generate(model, ids, max_new_tokens, policy=policy, compression=compression,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos,
-                          pad_token_id=pad, prefill=prefill, max_cache_len=max_cache_len, return_stats=True)
+                          pad_token_id=pad, max_cache_len=max_cache_len, return_stats=True)
     out = np.asarray(out)
     S = max(len(r) for r in ids)
     texts = []

@@ -64,6 +64,16 @@ class BoundedPolicy:
                                  "budget use policy.at_budget(config); with a ratio, the config gives the sinks, "
                                  "window and settings only (topk=0, k_max unset)")
 
+        if self.config.prefill == "chunked" and not getattr(self, "static", True):
+            raise ValueError(f"policy {self.name!r}: prefill='chunked' needs priorities known before the "
+                             "attention (static priorities); an attention statistic prefills in one pass "
+                             "('auto'), token by token ('stepwise') or compressed ('compressed')")
+
+    def with_prefill(self, mode: str, chunk: int = 0) -> "BoundedPolicy":
+        """This policy with its prompt entering as ``mode`` (``EvictionConfig.prefill``: auto |
+        chunked | stepwise | compressed; ``chunk``: the queries per chunk of ``"chunked"``)."""
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, prefill=mode, prefill_chunk=chunk))
+
     # ---- the budget: one way to set it, for every policy ----------------------------------------
     def at_budget(self, config: EvictionConfig, context: int | None = None) -> "BoundedPolicy":
         """This policy at the fixed budget ``config``. Policies with learned per-head budgets keep
@@ -205,7 +215,7 @@ class StaticPriority(BoundedPolicy):
         ev, buf = self.effective(), cache.layers[layer]
         prio, state = self.prefill_priority(params, layer, k, v, positions, cache.lengths,
                                             self._policy_state(cache, layer))
-        if ev.prefill_chunk and q.shape[1] > ev.prefill_chunk:
+        if ev.prefill == "chunked" and q.shape[1] > ev.prefill_chunk:
             out, buf = chunked_prefill(q, k, v, prio, cache.lengths, buf, ev, ev.prefill_chunk)
             return out, _replace(cache, layer, buf, state)
         out, _ = self.sparse_attention(q, k, v, prio, buf.budget)

@@ -14,6 +14,7 @@ DEFAULT_SINKS = 4
 DEFAULT_WINDOW = 32
 # how the long-range slots are split across layers and heads (EvictionConfig.budgets)
 BUDGET_RULES = ("uniform", "pyramid", "adakv", "shares", "global", "layer")
+PREFILL_MODES = ("auto", "chunked", "stepwise", "compressed")   # EvictionConfig.prefill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +32,16 @@ class EvictionConfig:
     kernel: backend of the sparse prefill attention and the decode step (``pallas_kernels``):
       ``"auto"`` (the platform's Pallas kernel, the XLA reference on CPU), ``"xla"``, ``"tpu"``,
       ``"gpu"``; ``kernel_interpret`` runs a kernel in Pallas interpret mode (tests on CPU).
-    prefill_chunk: static-priority policies prefill ``prefill_chunk`` queries at a time over the
-      slot buffer plus the chunk (:mod:`kvjax.eviction.chunked`; the same kept sets and outputs as
-      one pass, attention memory ``O(C (s + w + k_max + C))`` instead of ``O(S^2)``); 0: one pass.
+    prefill: how the prompt enters the cache, the one prefill setting (``generate`` reads it):
+      ``"auto"`` one pass (static priorities keep their budget already in the prompt, through the
+      keep rule; attention statistics attend densely and compress when the prompt ends);
+      ``"chunked"`` static priorities ``prefill_chunk`` queries at a time over the slot buffer plus
+      the chunk (:mod:`kvjax.eviction.chunked`; the same kept sets and outputs as one pass,
+      attention memory ``O(C (s + w + k_max + C))`` instead of ``O(S^2)``); ``"stepwise"`` token by
+      token through the decode path (every policy bounded throughout); ``"compressed"`` kvpress's
+      setting (:mod:`kvjax.eviction.prompt_compressed`: dense prefill, the prompt compressed once
+      to ``round((1 - c) n)`` entries per head, nothing evicted afterwards; needs a compression).
+    prefill_chunk: the chunk of ``prefill="chunked"`` (queries).
     budgets: how the long-range slots are split across layers and heads at the same total
       (:mod:`kvjax.eviction.budgets`): ``"uniform"`` (``topk`` each), ``"pyramid"`` (PyramidKV:
       falling with depth, none above ``k_max``), ``"adakv"`` (Ada-KV: per layer, the best
@@ -55,7 +63,8 @@ class EvictionConfig:
     pool: int = 7                        # SnapKV: pooling kernel over positions (odd)
     kernel: str = "auto"                 # sparse attention / decode backend: auto | xla | tpu | gpu
     kernel_interpret: bool = False       # run a kernel backend in Pallas interpret mode (CPU tests)
-    prefill_chunk: int = 0               # static priorities: prefill this many queries at a time (0: one pass)
+    prefill: str = "auto"                # how the prompt enters: auto | chunked | stepwise | compressed
+    prefill_chunk: int = 0               # prefill="chunked": queries per chunk
     budgets: str = "uniform"             # long-range slots per head: uniform | pyramid | adakv
     pyramid_beta: float = 20.0           # PyramidKV: last layer's budget = topk / beta
     adakv_alpha: float = 0.2             # Ada-KV: each head's guaranteed share of topk
@@ -83,6 +92,11 @@ class EvictionConfig:
             raise ValueError(f"{c}.kernel must be 'auto', 'xla', 'tpu' or 'gpu', got {self.kernel!r}")
         if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 0:
             raise ValueError(f"{c}.prefill_chunk must be a non-negative integer, got {self.prefill_chunk!r}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"{c}.prefill must be one of {', '.join(map(repr, PREFILL_MODES))}, got {self.prefill!r}")
+        if (self.prefill == "chunked") != (self.prefill_chunk > 0):
+            raise ValueError(f"{c}.prefill_chunk is the chunk of prefill='chunked': give prefill='chunked' with "
+                             f"prefill_chunk > 0 (got prefill={self.prefill!r}, prefill_chunk={self.prefill_chunk})")
         if self.budgets not in BUDGET_RULES:
             raise ValueError(f"{c}.budgets must be one of {', '.join(map(repr, BUDGET_RULES))}, got {self.budgets!r}")
         if (self.budgets == "shares") != (self.head_shares is not None):

@@ -7,14 +7,14 @@ compression; an answer is scored by RULER's string match. The per-head budget is
 every policy runs *bounded throughout* (KVpop's setting): the budget holds during prefill
 and decode, every prompt query sees only its kept set. Static-priority policies get that
 from ``kvjax.generate``'s one-pass keep-rule prefill; attention-statistic policies (SnapKV,
-H2O, TOVA) feed the prompt token by token through the decode path (``prefill="stepwise"``,
+H2O, TOVA) feed the prompt token by token through the decode path (``policy.with_prefill("stepwise")``,
 slower). With ``prefill: auto`` those three prefill densely and compress once when the
 prompt ends (``generate``'s default); each record says which (``prefill``) and the table
 marks dense-prefill rows with †. With ``prefill: compressed`` every policy runs in kvpress's
-setting (:mod:`kvjax.eviction.prompt_compressed`): dense prefill, the context (not the
-question) compressed once to ``round((1 - c) * n)`` tokens per head, then nothing is evicted; the
-dense context pass is run once per batch and shared by every policy and compression
-(:mod:`kvjax.eviction.shared_prefill`, equal to one pass per policy).
+setting (``EvictionConfig.prefill="compressed"``, :mod:`kvjax.eviction.prompt_compressed`): dense
+prefill, the context (not the question) compressed once to ``round((1 - c) * n)`` tokens per head,
+then nothing is evicted; the dense context pass is memoised once per batch and shared by every
+policy and compression (:mod:`kvjax.eviction.shared_prefill`, equal to one pass per policy).
 The hindsight oracles rank by the dense model's future attention over its own prompt + answer
 (with prefill compression, from the shared context pass: only the question and answer run again).
 
@@ -221,9 +221,10 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                                                                                      memo=shared.setdefault("prio", {}))
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
                                          eos_ids=stops.tolist(), pad_id=int(stops[0]))
+                if stepwise(policy):
+                    policy = policy.with_prefill("stepwise")
                 return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
-                                                 eos_token_id=stops.tolist(),
-                                                 prefill="stepwise" if stepwise(policy) else "auto"))[:, S:]
+                                                 eos_token_id=stops.tolist()))[:, S:]
 
             def answer(make_policy_, name, comp):
                 """``make_policy_()`` builds the policy only when some record is missing."""

@@ -68,7 +68,7 @@ def test_chunked_prefill_equals_one_pass(tiny, name):
         tokens[b, :n] = rs.randint(3, 97, n)
     ev = EvictionConfig(sinks=3, window=6, topk=8)
     one = _build(name, ev, tiny.config)
-    chunked = dataclasses.replace(one, config=dataclasses.replace(one.config, prefill_chunk=16))
+    chunked = one.with_prefill("chunked", 16)
     la, ca = _prefill(tiny, one, jnp.asarray(tokens), jnp.asarray(lengths))
     lb, cb = _prefill(tiny, chunked, jnp.asarray(tokens), jnp.asarray(lengths))
     for b, n in enumerate(lengths):
@@ -84,3 +84,9 @@ def test_chunked_prefill_equals_one_pass(tiny, name):
 def test_prefill_chunk_errors():
     with pytest.raises(ValueError, match="EvictionConfig.prefill_chunk must be a non-negative integer, got -1"):
         EvictionConfig(prefill_chunk=-1)
+    with pytest.raises(ValueError, match="prefill_chunk is the chunk of prefill='chunked'"):
+        EvictionConfig(prefill_chunk=16)
+    with pytest.raises(ValueError, match="prefill_chunk is the chunk of prefill='chunked'"):
+        EvictionConfig(prefill="chunked")
+    with pytest.raises(ValueError, match="prefill='chunked' needs priorities known before the attention"):
+        kvjax.make_policy("snapkv").with_prefill("chunked", 16)

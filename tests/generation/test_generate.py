@@ -113,7 +113,7 @@ def test_length_buckets_give_the_unbucketed_tokens(pair, policy):
 
 
 def test_stepwise_prefill_is_bounded_throughout(pair):
-    """``prefill="stepwise"`` feeds the prompt through the decode path: for the dense cache and
+    """A policy with ``prefill="stepwise"`` feeds the prompt through the decode path: for
     static-priority policies it gives ``prefill="auto"``'s tokens (and EOS handling); for
     SnapKV, whose ``auto`` prefill is dense, its first token is the argmax of the teacher-forced
     token-by-token logits (:func:`kvjax.eviction.forced.stepwise_logits`), not the dense one."""
@@ -122,20 +122,48 @@ def test_stepwise_prefill_is_bounded_throughout(pair):
     model, _ = pair
     ids, mask = left_padded([6, 17, 11], seed=5)
     ev = kvjax.EvictionConfig(sinks=2, window=3, topk=4)
-    for pol in (None, kvjax.make_policy("knorm", ev), kvjax.make_policy("streaming_llm", ev)):
+    for pol in (kvjax.make_policy("knorm", ev), kvjax.make_policy("streaming_llm", ev)):
         a = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=pol))
-        b = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=pol, prefill="stepwise"))
+        b = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=pol.with_prefill("stepwise")))
         np.testing.assert_array_equal(a, b)
     snap = kvjax.make_policy("snapkv", ev)
     row = ids[1:2, mask[1].argmax():]
-    first = np.asarray(kvjax.generate(model, row, 1, policy=snap, prefill="stepwise", eos_token_id=[]))[0, -1]
+    first = np.asarray(kvjax.generate(model, row, 1, policy=snap.with_prefill("stepwise"), eos_token_id=[]))[0, -1]
     assert first == int(np.argmax(np.asarray(stepwise_logits(model, row, snap))[0, -1]))
     auto = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=snap, eos_token_id=[]))
-    step = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=snap, eos_token_id=[],
-                                     prefill="stepwise"))
+    step = np.asarray(kvjax.generate(model, ids, 9, attention_mask=mask, policy=snap.with_prefill("stepwise"),
+                                     eos_token_id=[]))
     assert (auto != step).any()                   # a dense prefill is not a bounded one
-    with pytest.raises(ValueError, match="prefill must be 'auto' or 'stepwise'"):
-        kvjax.generate(model, ids, 2, prefill="dense")
+    with pytest.raises(ValueError, match="EvictionConfig.prefill must be one of 'auto', 'chunked', 'stepwise', "
+                                         "'compressed', got 'dense'"):
+        snap.with_prefill("dense")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefill'"):
+        kvjax.generate(model, ids, 2, prefill="stepwise")
+
+
+def test_compressed_prefill_is_prompt_compression(pair):
+    """``prefill="compressed"`` is kvpress's setting: each row's prompt compressed once at the ratio,
+    the same tokens as the prompt-compressed policy built by hand; it needs a compression."""
+    from kvjax.eviction.prompt_compressed import prompt_compressed
+
+    model, _ = pair
+    ids, mask = left_padded([30, 24], seed=7)
+    rows = [ids[b][mask[b] == 1].tolist() for b in range(2)]
+    ev = kvjax.EvictionConfig(sinks=2, window=3, topk=0)
+    for name in ("knorm", "snapkv"):
+        pol = kvjax.make_policy(name, ev, compression=0.5).with_prefill("compressed")
+        got = np.asarray(kvjax.generate(model, rows, 8, policy=pol, eos_token_id=[]))
+        ranker = kvjax.make_policy(name, ev, compression=0.5).at_compression(0.5, 30)
+        want = np.asarray(kvjax.generate(model, rows, 8, policy=prompt_compressed(ranker, 0.5, [30, 24]),
+                                         eos_token_id=[]))
+        np.testing.assert_array_equal(got, want)
+        assert len(np.unique(got[:, 30:])) > 2
+    fixed = kvjax.make_policy("knorm", kvjax.EvictionConfig(2, 3, 4)).with_prefill("compressed")
+    with pytest.raises(ValueError, match="prefill='compressed', which keeps a share of each prompt"):
+        kvjax.generate(model, rows, 2, policy=fixed)
+    by_arg = np.asarray(kvjax.generate(model, rows, 8, policy=fixed, compression=0.5, eos_token_id=[]))
+    by_hand = prompt_compressed(fixed.at_compression(0.5, 30), 0.5, [30, 24])
+    np.testing.assert_array_equal(by_arg, np.asarray(kvjax.generate(model, rows, 8, policy=by_hand, eos_token_id=[])))
 
 
 def test_many_lengths_compile_a_bounded_number_of_programs(hf_dir):

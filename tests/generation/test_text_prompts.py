@@ -32,13 +32,12 @@ def test_a_prompt_of_the_wrong_kind_is_refused_clearly(gen, prompt, error, messa
 def test_prefill_max_cache_len_and_compression_pass_through(gen):
     with pytest.raises(ValueError, match="exceeds the cache size max_cache_len=3"):
         gen("a b c d", max_new_tokens=4, max_cache_len=3)
-    with pytest.raises(ValueError, match="prefill must be 'auto' or 'stepwise'"):
-        gen("a b c d", max_new_tokens=2, prefill="bogus")
     out, stats = gen("a b c d e f g h", max_new_tokens=3, policy="knorm", compression=0.5, return_stats=True)
     assert isinstance(out, str) and stats is gen.last_stats and stats.policy == "knorm"
     n = stats.prompt_length
     assert stats.slots_per_head == round(0.5 * n)
-    stepwise = gen("a b c d e f g h", max_new_tokens=3, policy="knorm", compression=0.5, prefill="stepwise")
+    stepwise = gen("a b c d e f g h", max_new_tokens=3, policy=kvjax.make_policy("knorm").with_prefill("stepwise"),
+                   compression=0.5)
     assert isinstance(stepwise, str)
     with pytest.raises(ValueError, match="compression needs a policy"):
         kvjax.TextGenerator(gen.model, gen.tokenizer, compression=0.5)

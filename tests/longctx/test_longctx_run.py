@@ -51,7 +51,8 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     assert {r["prefill"] for r in recs if r["policy"] != "dense"} == {"bounded"}
     # TOVA ran bounded throughout: its prompt went token by token through the decode path
     tova = kvjax.make_policy("tova", budget(cfg, 256, 0.5))
-    out = np.asarray(kvjax.generate(model, [ids], 6, policy=tova, eos_token_id=stops, prefill="stepwise"))[0, len(ids):]
+    out = np.asarray(kvjax.generate(model, [ids], 6, policy=tova.with_prefill("stepwise"),
+                                    eos_token_id=stops))[0, len(ids):]
     cut = out.tolist()[: next((i for i, t in enumerate(out.tolist()) if t in stops), len(out))]
     r = next(r for r in recs if r["task"] == "qa" and r["index"] == 2 and r["policy"] == "tova")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
