@@ -13,8 +13,8 @@ never evicted, as in every kvjax policy). The loss is
     L = KL(dense || student) over the sequence  +  relu(target_t - mean alpha) * aux_weight,
 
 ``target_t`` ramping linearly from 0 to ``target`` over the first ``ramp`` of the steps (DMS
-raises the compression gradually), the mean over the tokens that can be evicted. Adam;
-resumable: progress is saved every ``save_every`` steps.
+raises the compression gradually), the mean over the tokens that can be evicted. Adam; a task
+of the one training loop, checkpointed every ``save_every`` steps and resumable.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from flax import nnx
 from kvjax.eviction.dms import dms_logits
 from kvjax.losses import kl_distill
 from kvjax.data.config import TestbedConfig, testbed_field
-from kvjax.train.progress_file import load_progress, save_progress
 from pallas_kernels.reference import grouped_attention
 
 
@@ -127,33 +126,46 @@ def _step(graphdef, opt, cfg, params, decisions, opt_state, tokens, mask, key, t
 
 def train_decisions(model, batch_at, cfg: DMSConfig, *, progress: bool = True) -> dict:
     """Train the decision heads: ``batch_at(step) -> (tokens int [B, S], loss mask [B, S])``.
-    Resumes from ``cfg.work_dir``; returns ``{"w", "b", "history": [[loss, kl, rate], ...]}``."""
-    from tqdm import tqdm
+    A task of the one training loop (:mod:`kvjax.train.step_loop`): checkpoints and
+    ``metrics.jsonl`` under ``cfg.work_dir``, resumed from there; returns ``{"w", "b",
+    "history": [[loss, kl, rate], ...]}``."""
+    from kvjax.config import config_hash
+    from kvjax.train.checkpoint import Checkpointer
+    from kvjax.train.metrics_log import MetricsLog
+    from kvjax.train.step_loop import StepLoop, logged_history, plain, resume
 
     decisions = init_decisions(model.config, cfg.init_bias, cfg.seed)
     opt = optax.adam(cfg.lr)
-    opt_state = opt.init(decisions)
-    path = Path(cfg.work_dir) / "progress.npz"
-    step, history = 0, []
-    if path.exists():
-        decisions, opt_state, step, history = load_progress(path, decisions, opt_state)
-    graphdef, params = nnx.split(model)
-    ramp_steps = max(1, int(cfg.ramp * cfg.steps))
-    bar = tqdm(total=cfg.steps, initial=step, desc="dms decisions", unit="step", disable=not progress)
-    while step < cfg.steps:
-        tokens, mask = batch_at(step)
-        target = cfg.target * min(1.0, (step + 1) / ramp_steps)
-        decisions, opt_state, loss, kl, rate = _step(
-            graphdef, opt, cfg, params, decisions, opt_state, jnp.asarray(tokens), jnp.asarray(mask, jnp.float32),
-            jax.random.fold_in(jax.random.key(cfg.seed), step), jnp.float32(target))
-        step += 1
-        history.append([float(loss), float(kl), float(rate)])
-        bar.update(1)
-        bar.set_postfix(kl=f"{float(kl):.3g}", evict=f"{float(rate):.2f}", target=f"{target:.2f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save_progress(path, decisions, opt_state, step, history)
-    bar.close()
-    return {"w": np.asarray(decisions["w"]), "b": np.asarray(decisions["b"]), "history": history}
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(work / "checkpoints", keep=2, async_save=False)
+    meta = plain({"task": "dms", "model": config_hash(model.config),
+                  "config": {k: v for k, v in asdict(cfg).items()
+                             if k not in ("work_dir", "out_dir", "save_every", "model_dir", "valid_traces")}})
+    try:
+        state, start = resume(ckpt, {"decisions": decisions, "opt": opt.init(decisions)}, meta)
+        graphdef, params = nnx.split(model)
+        ramp_steps = max(1, int(cfg.ramp * cfg.steps))
+
+        def step_fn(st, step):
+            tokens, mask = batch_at(step)
+            target = cfg.target * min(1.0, (step + 1) / ramp_steps)
+            decisions, opt_state, loss, kl, rate = _step(
+                graphdef, opt, cfg, params, st["decisions"], st["opt"], jnp.asarray(tokens),
+                jnp.asarray(mask, jnp.float32), jax.random.fold_in(jax.random.key(cfg.seed), step),
+                jnp.float32(target))
+            return {"decisions": decisions, "opt": opt_state}, {"loss": loss, "kl": kl, "rate": rate,
+                                                                "target": jnp.float32(target)}
+
+        loop = StepLoop(cfg.steps, ckpt, meta, "dms decisions", checkpoint_every=cfg.save_every,
+                        log=MetricsLog(work, tensorboard=False), progress=progress, postfix=("kl", "rate", "target"))
+        state, result = loop.run(state, step_fn, start)
+        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
+            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
+    finally:
+        ckpt.close()
+    d = state["decisions"]
+    return {"w": np.asarray(d["w"]), "b": np.asarray(d["b"]), "history": logged_history(work, ("loss", "kl", "rate"))}
 
 
 def export_decisions(w, b, out_dir, *, sinks: int, window: int, base_config=None, base_model_name=None,

@@ -14,7 +14,8 @@ The gates minimise, on passkey retrieval sequences (:mod:`kvjax.duo.passkey`),
 ``H`` the final hidden states of the full model and of the gated one (the paper sums over the
 last ``l`` positions; the mean over the answer's positions keeps ``lambda`` independent of the
 answer's length). Adam (lr 0.02, the paper's), gates clamped to ``[0, 1]`` after every step,
-``lambda = 0.05`` (the paper's). Resumable: progress is saved every ``save_every`` steps.
+``lambda = 0.05`` (the paper's). A task of the one training loop, checkpointed
+every ``save_every`` steps and resumable.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from flax import nnx
 
 from kvjax.models.attention import dense_attention
 from kvjax.data.config import TestbedConfig, testbed_field
-from kvjax.train.progress_file import load_progress, save_progress
 
 
 @dataclass(frozen=True)
@@ -108,33 +108,42 @@ def _step(graphdef, opt, params, gates, opt_state, tokens, mask, *, reg, sinks, 
 
 def train_gates(model, batch_at, cfg: DuoConfig, *, progress: bool = True) -> dict:
     """Optimise the gates: ``batch_at(step) -> (tokens int [B, S], answer mask [B, S])``.
-    Resumes from ``cfg.work_dir``; returns ``{"gates": [L, K], "history": [[loss, distill], ...]}``."""
-    from tqdm import tqdm
+    A task of the one training loop (:mod:`kvjax.train.step_loop`): checkpoints and
+    ``metrics.jsonl`` under ``cfg.work_dir``, resumed from there (also into more ``steps``: the
+    learning rate is constant); returns ``{"gates": [L, K], "history": [[loss, distill], ...]}``."""
+    from kvjax.config import config_hash
+    from kvjax.train.checkpoint import Checkpointer
+    from kvjax.train.metrics_log import MetricsLog
+    from kvjax.train.step_loop import StepLoop, logged_history, plain, resume
 
     c = model.config
     gates = jnp.ones((c.num_layers, c.num_kv_heads), jnp.float32)
     opt = optax.adam(cfg.lr)
-    opt_state = opt.init(gates)
-    path = Path(cfg.work_dir) / "progress.npz"
-    step, history = 0, []
-    if path.exists():
-        arrays, opt_state, step, history = load_progress(path, {"gates": gates}, opt_state)
-        gates = arrays["gates"]
-    graphdef, params = nnx.split(model)
-    bar = tqdm(total=cfg.steps, initial=step, desc="duo gates", unit="step", disable=not progress)
-    while step < cfg.steps:
-        tokens, mask = batch_at(step)
-        gates, opt_state, loss, distill = _step(graphdef, opt, params, gates, opt_state, jnp.asarray(tokens),
-                                                jnp.asarray(mask, jnp.float32), reg=cfg.reg, sinks=cfg.sinks,
-                                                window=cfg.window)
-        step += 1
-        history.append([float(loss), float(distill)])
-        bar.update(1)
-        bar.set_postfix(distill=f"{float(distill):.3g}", gates=f"{float(gates.mean()):.3f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            save_progress(path, {"gates": gates}, opt_state, step, history)
-    bar.close()
-    return {"gates": np.asarray(gates), "history": history}
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(work / "checkpoints", keep=2, async_save=False)
+    meta = plain({"task": "duo", "model": config_hash(c),
+                  "config": {k: v for k, v in asdict(cfg).items()
+                             if k not in ("steps", "work_dir", "out_dir", "save_every", "model_dir")}})
+    try:
+        state, start = resume(ckpt, {"gates": gates, "opt": opt.init(gates)}, meta)
+        graphdef, params = nnx.split(model)
+
+        def step_fn(st, step):
+            tokens, mask = batch_at(step)
+            gates, opt_state, loss, distill = _step(graphdef, opt, params, st["gates"], st["opt"], jnp.asarray(tokens),
+                                                    jnp.asarray(mask, jnp.float32), reg=cfg.reg, sinks=cfg.sinks,
+                                                    window=cfg.window)
+            return {"gates": gates, "opt": opt_state}, {"loss": loss, "distill": distill, "gates": gates.mean()}
+
+        loop = StepLoop(cfg.steps, ckpt, meta, "duo gates", checkpoint_every=cfg.save_every,
+                        log=MetricsLog(work, tensorboard=False), progress=progress, postfix=("distill", "gates"))
+        state, result = loop.run(state, step_fn, start)
+        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
+            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
+    finally:
+        ckpt.close()
+    return {"gates": np.asarray(state["gates"]), "history": logged_history(work, ("loss", "distill"))[:cfg.steps]}
 
 
 def export_gates(gates_LK, out_dir, *, sinks: int, window: int, base_config=None, base_model_name=None,

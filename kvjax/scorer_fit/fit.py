@@ -165,13 +165,13 @@ def evaluate(scorer, split: FeatureSplit, cfg: FitConfig, *, keep: float = 0.25,
 
 def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
     """Fit, evaluate on the valid split, export; returns the summary (also ``out_dir/summary.json``)."""
-    from tqdm import tqdm
-
     from kvjax.dir_lock import DirLock
     from kvjax.eviction.config import EvictionConfig
     from kvjax.eviction.learned import from_scorer
     from kvjax.export import export_scorers
     from kvjax.train.checkpoint import Checkpointer, write_json_atomic
+    from kvjax.train.metrics_log import MetricsLog
+    from kvjax.train.step_loop import StepLoop, plain, resume
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,11 +191,9 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         meta = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out_dir",)},
                 "features": train.index["traces_sha256"], "window": train.window}
         ckpt = Checkpointer(out / "checkpoints", keep=2, async_save=False)
-        start = 0
-        restored = ckpt.restore_latest_good(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state),
-                                            meta, say=say)
-        if restored is not None:
-            state, _, start = restored
+        meta = plain(meta)
+        state, start = resume(ckpt, state, meta, say=say)
+        if start:
             say(f"resuming the scorer fit at step {start} from {out / 'checkpoints'}")
 
         @functools.partial(jax.jit, donate_argnums=0)
@@ -208,22 +206,21 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         rng = np.random.default_rng(cfg.seed)
         order = [rng.choice(len(train), cfg.batch_traces, replace=len(train) < cfg.batch_traces)
                  for _ in range(cfg.steps)]     # step i's traces depend on i only: exact resume
-        log = (out / "metrics.jsonl").open("a")
-        t0, losses = time.time(), []
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"fit {cfg.scorer}/{cfg.target}",
-                   disable=not progress)
-        for i in bar:
+
+        def step_fn(st, i):
             x, t, n = batch_of(train, order[i], cfg.seq_len, cfg.target)
-            state, loss = step(state, jnp.asarray(x), jnp.asarray(t), jnp.asarray(n))
-            losses.append(float(loss))
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            log.write(json.dumps({"step": i + 1, "loss": losses[-1], "seconds": round(time.time() - t0, 2)}) + "\n")
-            log.flush()
-            if cfg.checkpoint_every and (i + 1) % cfg.checkpoint_every == 0 and i + 1 < cfg.steps:
-                ckpt.save(i + 1, state, meta)
-        bar.close()
+            st, loss = step(st, jnp.asarray(x), jnp.asarray(t), jnp.asarray(n))
+            return st, {"loss": loss}
+
+        t0 = time.time()
+        loop = StepLoop(cfg.steps, ckpt, meta, f"fit {cfg.scorer}/{cfg.target}",
+                        checkpoint_every=cfg.checkpoint_every, log=MetricsLog(out, tensorboard=False),
+                        progress=progress)
+        state, result = loop.run(state, step_fn, start)
+        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
+            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
+        losses = [result["last_metrics"]["loss"]] if "last_metrics" in result else []
         fit_s = time.time() - t0
-        ckpt.save(cfg.steps, state, meta)
         scorer = nnx.merge(graphdef, state["params"])
         summary = {"scorer": cfg.scorer, "target": cfg.target, "steps": cfg.steps, "fit_seconds": round(fit_s, 1),
                    "steps_run": cfg.steps - start, "final_loss": losses[-1] if losses else None,

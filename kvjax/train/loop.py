@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
 
 from kvjax.configio import to_dict
 from kvjax.dir_lock import DirLock
@@ -26,6 +24,7 @@ from kvjax.train.data import make_dataset, phase_seq_len, testbed_config
 from kvjax.train.metrics_log import MetricsLog
 from kvjax.train.optim import make_optimizer, param_count, trainable_mask
 from kvjax.train.shard_state import param_shardings, place_on_mesh, tree_shardings
+from kvjax.train.step_loop import StepLoop, resume
 from kvjax.train.steps import make_train_step
 from kvjax.train.tasks import make_task
 
@@ -42,28 +41,6 @@ def maybe_initialize_distributed(cfg: TrainConfig) -> None:
         kw = dict(coordinator_address=cfg.mesh.coordinator, num_processes=cfg.mesh.num_processes,
                   process_id=cfg.mesh.process_id)
     jax.distributed.initialize(**kw)
-
-
-class _Preempted:
-    """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
-
-    def __init__(self):
-        self.flag = False
-        self.signal: str | None = None
-        self.old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.old[sig] = signal.signal(sig, self._set)
-        return self
-
-    def _set(self, signum, frame):
-        self.flag = True
-        self.signal = signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, h in self.old.items():
-            signal.signal(sig, h)
 
 
 def _phase_at(phases, step: int):
@@ -143,24 +120,17 @@ def _setup(cfg: TrainConfig, out: Path, lead: bool, quiet: bool) -> _Run:
 
 
 def _restore(run: _Run) -> int:
-    """Resume from the latest readable checkpoint of the same run (else step 0); then write
-    the run's ``config.json`` (only now: a refused resume leaves it as it was)."""
+    """Resume from the latest readable checkpoint of the same run (else step 0; the one resume
+    rule, :func:`kvjax.train.step_loop.resume`); then write the run's ``config.json`` (only now: a
+    refused resume leaves it as it was)."""
     cfg, lead = run.cfg, run.lead
     run.ckpt = Checkpointer(cfg.checkpoint.dir or run.out / "checkpoints", cfg.checkpoint.keep)
     run.meta = meta_for(cfg)
-    start = 0
-    if run.ckpt.latest_step() is not None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                {"params": run.params, "opt_state": run.opt_state})
-        good = run.ckpt.restore_latest_good(abstract, run.meta,
-                                            say=lambda m: print(m, file=sys.stderr) if lead else None)
-        if good is not None:
-            restored, _, start = good
-            run.params, run.opt_state = restored["params"], restored["opt_state"]
-            if lead and not run.quiet:
-                print(f"resumed from {run.ckpt.dir} at step {start}")
-        elif lead:
-            print(f"warning: no readable checkpoint left under {run.ckpt.dir}; starting from step 0", file=sys.stderr)
+    state, start = resume(run.ckpt, {"params": run.params, "opt_state": run.opt_state}, run.meta,
+                          say=lambda m: print(m, file=sys.stderr) if lead else None)
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    if start and lead and not run.quiet:
+        print(f"resumed from {run.ckpt.dir} at step {start}")
     if lead:
         write_json_atomic(run.out / "config.json", to_dict(cfg))
     return start
@@ -193,62 +163,60 @@ def _train(cfg: TrainConfig, out: Path, lead: bool, stop_after: int | None, quie
 
 
 def _loop(run: _Run, start: int, stop_after: int | None) -> dict:
-    """Steps ``start .. total - 1`` with the log, evaluation and checkpoint hooks after each;
-    returns early (``stopped_at``) on a signal or after ``stop_after`` steps of this call."""
-    cfg, total = run.cfg, run.cfg.total_steps
+    """Steps ``start .. total - 1`` through the one training loop (:class:`kvjax.train.step_loop.StepLoop`),
+    with the log, evaluation and checkpoint hooks after each; returns early (``stopped_at``) on a
+    signal or after ``stop_after`` steps of this call."""
+    cfg = run.cfg
     phases = cfg.all_phases()
-    datasets, masks = {}, {}
+    datasets, masks, where = {}, {}, {}
     key = jax.random.key(cfg.seed)
-    bar = tqdm(total=total, initial=start, disable=not run.lead or run.quiet, desc=cfg.mode, dynamic_ncols=True)
     clock = {"t": time.perf_counter(), "tokens": 0}
-    done_here = 0
+
+    def step_fn(state, step):
+        pi, phase, local = _phase_at(phases, step)
+        if pi not in datasets:
+            datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi, run.teacher)
+            masks[pi] = trainable_mask(state["params"], phase.trainable)
+        batch_np = datasets[pi][local]
+        batch = {k: _global(batch_np[k], run.batch_sharding) for k in run.task.batch_keys}
+        params, opt_state, metrics = run.step_fn(
+            state["params"], run.frozen, state["opt_state"], batch, jax.random.fold_in(key, step), masks[pi],
+            jnp.float32(phase.lr_scale), jnp.int32(step))
+        clock["tokens"] += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
+        where[step] = (pi, phase, local)
+        return {"params": params, "opt_state": opt_state}, metrics
+
+    def on_log(step, m):
+        pi, phase, _ = where[step]
+        now = time.perf_counter()
+        m["tokens_per_s"] = clock["tokens"] / max(now - clock["t"], 1e-9)
+        m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in run.scheds.items()})
+        m["phase"] = pi
+        clock["t"], clock["tokens"] = now, 0
+        return m
+
     summary: dict = {"params": param_count(run.params)}
-    with _Preempted() as pre:
-        for step in range(start, total):
-            pi, phase, local = _phase_at(phases, step)
-            if pi not in datasets:
-                datasets[pi] = make_dataset(cfg.data, phase, cfg.seed + 1000 * pi, run.teacher)
-                masks[pi] = trainable_mask(run.params, phase.trainable)
-            batch_np = datasets[pi][local]
-            batch = {k: _global(batch_np[k], run.batch_sharding) for k in run.task.batch_keys}
-            run.params, run.opt_state, metrics = run.step_fn(
-                run.params, run.frozen, run.opt_state, batch, jax.random.fold_in(key, step), masks[pi],
-                jnp.float32(phase.lr_scale), jnp.int32(step))
-            clock["tokens"] += int(np.prod(batch_np["tokens"].shape)) * jax.process_count()
-            done_here += 1
-            bar.update(1)
-            last = step + 1 == total
-            if (step + 1) % cfg.log.every == 0 or last:
-                summary["last_metrics"] = _log_hook(run, step, pi, phase, metrics, clock, bar)
-            if cfg.data.eval_problems and (last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0)):
-                _eval_hook(run, step, bar, summary)
-            stop = pre.flag or (stop_after is not None and done_here >= stop_after)
-            if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or last or stop:
-                run.ckpt.save(step + 1, {"params": run.params, "opt_state": run.opt_state},
-                              {**run.meta, "step": step + 1, "data_position": {"phase": pi, "batch": local + 1}})
-            if stop and not last:
-                run.ckpt.wait()
-                bar.close()
-                if run.lead and not run.quiet:
-                    print(f"stopped at step {step + 1}; checkpoint saved under {run.ckpt.dir}")
-                summary.update(stopped_at=step + 1, params_tree=run.params, signal=pre.signal)
-                return summary
-    bar.close()
+
+    def after_step(step, state, bar):
+        last = step + 1 == cfg.total_steps
+        if cfg.data.eval_problems and (last or (cfg.log.eval_every and (step + 1) % cfg.log.eval_every == 0)):
+            run.params = state["params"]
+            _eval_hook(run, step, bar, summary)
+
+    def meta_at(step):
+        pi, _, local = where[step]
+        return {"data_position": {"phase": pi, "batch": local + 1}}
+
+    loop = StepLoop(cfg.total_steps, run.ckpt, run.meta, cfg.mode, checkpoint_every=cfg.checkpoint.every,
+                    log=run.log, log_every=cfg.log.every, progress=not run.quiet, lead=run.lead,
+                    stop_after=stop_after, postfix=("loss", "tokens_per_s"), meta_at=meta_at, on_log=on_log,
+                    after_step=after_step)
+    state, result = loop.run({"params": run.params, "opt_state": run.opt_state}, step_fn, start)
+    run.params, run.opt_state = state["params"], state["opt_state"]
+    summary.update(result)
+    if "stopped_at" in summary:
+        summary["params_tree"] = run.params
     return summary
-
-
-def _log_hook(run: _Run, step: int, pi: int, phase, metrics, clock: dict, bar) -> dict:
-    """Metrics of this step (loss, throughput since the last log, learning rates) to the bar and the log."""
-    m = {k: float(np.asarray(v.addressable_data(0))) for k, v in metrics.items()}
-    now = time.perf_counter()
-    m["tokens_per_s"] = clock["tokens"] / max(now - clock["t"], 1e-9)
-    m.update({f"lr_{g}": float(s(step)) * phase.lr_scale for g, s in run.scheds.items()})
-    m["phase"] = pi
-    clock["t"], clock["tokens"] = now, 0
-    bar.set_postfix(loss=f"{m['loss']:.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
-    if run.log:
-        run.log.write(step + 1, m)
-    return m
 
 
 def _eval_hook(run: _Run, step: int, bar, summary: dict) -> None:
