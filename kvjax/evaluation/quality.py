@@ -22,6 +22,7 @@ from kvjax.evaluation.oracle import oracle_priorities
 from kvjax.evaluation.retention import kept_positions, retention_recall
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
+from kvjax.evaluation import policy_rows
 from kvjax.eviction.policies import make_policy
 from kvjax.generate import forward, generate
 
@@ -38,7 +39,7 @@ def _kl_rows(dense_BSV, sparse_BSV, mask_BS) -> tuple[np.ndarray, np.ndarray]:
 
 
 # policy name -> oracle_priorities kind ("values": the testbed's structure, not the model's attention)
-ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union", "oracle_values": "values"}
+ORACLES = {**policy_rows.ORACLES, "oracle_values": "values"}   # the testbed also knows where values are
 
 
 def value_priorities(tokens_BS, num_layers: int, num_kv_heads: int, room: int) -> np.ndarray:
@@ -87,32 +88,6 @@ class BatchContext:
         return self._oracle_lr
 
 
-def variant_config(ev: EvictionConfig, fields: dict, context: int) -> EvictionConfig:
-    """``ev`` with a variant's EvictionConfig ``fields``; a ``shares`` split without ``k_max``
-    gets the cap its largest share needs, at most the whole context."""
-    import dataclasses
-
-    out = dataclasses.replace(ev, **fields)
-    if out.budgets == "shares" and "k_max" not in fields:
-        need = int(max(max(row) for row in out.head_shares) * out.topk + 1e-9)
-        out = dataclasses.replace(out, k_max=max(out.topk, min(need, context - out.sinks - out.window)))
-    return out
-
-
-def build_policy(name: str, ev: EvictionConfig, learned: dict, ctx: BatchContext, variants: dict | None = None):
-    """The policy object for ``name`` at budget ``ev`` (``None`` for dense); ``variants``:
-    ``{label: {policy: base, **EvictionConfig fields}}`` (diagnostic rows)."""
-    context = ctx.tokens.shape[1] + ANSWER_MAX_NEW       # the cache holds the trace and the generated answer
-    if name == "dense":
-        return None
-    if name in learned:
-        return learned[name].at_budget(ev, context=context)
-    if variants and name in variants:
-        fields = {k: v for k, v in variants[name].items() if k != "policy"}
-        name, ev = variants[name]["policy"], variant_config(ev, fields, context)
-    return make_policy(name, ev, params=ctx.oracle_params(ORACLES[name]) if name in ORACLES else None)
-
-
 def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool = True,
                     recall: bool = True, students: dict | None = None, path_check: bool = False,
                     variants: dict | None = None) -> list[dict]:
@@ -123,7 +98,8 @@ def evaluate_policy(ctx: BatchContext, name: str, learned: dict, answers: bool =
     path and record, per problem, the largest logit difference from the one-pass sparse
     path and the fraction of positions whose argmax agrees (``path_check: [diff, agree]``)."""
     model, b = (students or {}).get(name, ctx.model), ctx.b
-    pol = build_policy(name, ctx.ev, learned, ctx, variants)
+    pol = policy_rows.build_policy(name, ctx.ev, learned, context=ctx.tokens.shape[1] + ANSWER_MAX_NEW,
+                                   oracle=ctx.oracle_params, oracles=ORACLES, variants=variants)
     if pol is None:
         logits = ctx.dense
     else:

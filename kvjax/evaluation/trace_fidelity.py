@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.evaluation.policy_rows import ORACLES
 from kvjax.eviction.config import kept_slots
 
 HEURISTICS = ("streaming_llm", "knorm", "random", "snapkv", "h2o", "tova")
@@ -116,28 +117,13 @@ def _compare(dense_BSV, other_BSV, starts_B, tokens_BS):
             np.asarray(jnp.sum(jnp.where(m, nll, 0.0), 1)), np.asarray(jnp.sum(m, 1)))
 
 
-ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
-
-
-def _policy(name, ev, learned, oracle, context: int):
-    """``oracle(kind)``: the batch's hindsight priorities (computed once per batch, whatever the
-    budget); ``context``: the traces' (cropped) length; ``dense``: None (no bound)."""
-    from kvjax.eviction.policies import make_policy
-
-    if name == "dense":
-        return None
-    if name in learned:
-        return learned[name].at_budget(ev, context=context)
-    return make_policy(name, ev, params=oracle(ORACLES[name]) if name in ORACLES else None)
-
-
-
 def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> dict:
     """Evaluate every (crop, compression, policy, trace) not yet stored; returns :func:`table`."""
     from tqdm import tqdm
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities
+    from kvjax.evaluation.policy_rows import build_policy, load_learned
     from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
     from kvjax.eviction.forced import sparse_logits, stepwise_logits
     from kvjax.export import config_hash
@@ -146,10 +132,9 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
     folder = Path(cfg.model_dir) if cfg.model_dir else ensure_model()
     model = model or kvjax.load_hf(folder)
     rows = load_traces(cfg.traces, cfg.max_traces)
-    learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
+    learned, digests = load_learned(cfg.learned, model)
     # name -> (model it runs on, name of its policy); adapted backbones are judged against the original
     runs_on = {name: (model, name) for name in list(cfg.policies) + list(learned)}
-    digests = {lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()}
     for label, entry in cfg.adapted.items():
         m = kvjax.load_hf(entry["model"])
         own = {"model": folder_digest(entry["model"])}
@@ -195,7 +180,7 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
                     if dense is None:
                         dense = kvjax.forward(model, tokens)
                     m_run, p_name = runs_on[name]
-                    pol = _policy(p_name, ev, learned, oracle, crop)
+                    pol = build_policy(p_name, ev, learned, context=crop, oracle=oracle)
                     t0 = time.time()
                     if pol is None:
                         logits = dense if m_run is model else kvjax.forward(m_run, tokens)

@@ -67,7 +67,8 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
+    from kvjax.evaluation.policy_rows import build_policy, load_learned
+    from kvjax.evaluation.results_store import ResultsStore, record_key
     from kvjax.evaluation.retention import kept_positions, retention_recall
     from kvjax.evaluation.trace_fidelity import load_traces
     from kvjax.eviction.policies import make_policy
@@ -81,7 +82,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
         raise ValueError(f"no trace in {cfg.traces} reaches crop={cfg.crop} tokens")
     if cfg.map_trace >= len(rows):
         raise ValueError(f"map_trace={cfg.map_trace}, but only {len(rows)} traces reach {cfg.crop} tokens")
-    learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
+    learned, digests = load_learned(cfg.learned, model)
     if any(p.startswith("oracle") for p in cfg.policies):
         raise ValueError("policies: the oracle is the reference and always runs; list only the others")
     names = list(cfg.policies) + list(learned) + ["oracle"]
@@ -89,7 +90,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
     run = {"model": config_hash(model.config), "metric": "retention-v1", "crop": cfg.crop, "map_trace": cfg.map_trace,
            "sinks": cfg.sinks, "window": cfg.window,
            "traces": [hashlib.sha256(Path(p).read_bytes()).hexdigest()[:16] for p in cfg.traces]}
-    store = ResultsStore(cfg.out_dir, run, policies={lbl: {"scorer": folder_digest(d)} for lbl, d in cfg.learned.items()})
+    store = ResultsStore(cfg.out_dir, run, policies=digests)
     try:
         batches = [list(range(j, min(j + cfg.batch_size, len(rows)))) for j in range(0, len(rows), cfg.batch_size)]
         bar = tqdm(total=len(batches) * len(names), desc="retention", unit="batch", disable=not progress)
@@ -105,10 +106,7 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
                 if oracle_lr is None:
                     pri = oracle_priorities(model, tokens, cfg.window, "mean")
                     _, oracle_lr = kept_positions(model, tokens, lengths, make_policy("oracle", ev, params=pri))
-                if name == "oracle":
-                    pol = make_policy("oracle", ev, params=pri)
-                else:
-                    pol = learned[name].at_budget(ev, context=cfg.crop) if name in learned else make_policy(name, ev)
+                pol = build_policy(name, ev, learned, context=cfg.crop, oracle=lambda kind: pri)
                 every, _ = kept_positions(model, tokens, lengths, pol)            # [L, B, K, slots]
                 rec = retention_recall(every, oracle_lr, cfg.crop)                # [L, B, K]
                 store.add([{"key": k, "id": rows[i]["id"], "policy": name,

@@ -36,10 +36,10 @@ from typing import Literal
 
 import numpy as np
 
+from kvjax.evaluation.policy_rows import ORACLES
 from kvjax.eviction.config import kept_slots
 from kvjax.longctx.tasks import TASKS
 
-ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
 SETTING = {"bounded": "bounded throughout (every prompt query sees only the kept set)",
            "auto": "bounded throughout except † (dense prefill, compressed when the prompt ends)",
            "compressed": "prefill compression (kvpress's setting: dense prefill, the context compressed once, "
@@ -147,8 +147,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities, prefill_oracle_priorities
-    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
-    from kvjax.eviction.policies import make_policy
+    from kvjax.evaluation.policy_rows import build_policy, load_learned
+    from kvjax.evaluation.results_store import ResultsStore, record_key
     from kvjax.eviction.prompt_compressed import prompt_compressed
     from kvjax.eviction.shared_prefill import answer as shared_answer
     from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
@@ -171,7 +171,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     if limit and max(cfg.lengths) + cfg.max_new > limit:
         raise ValueError(f"lengths: {max(cfg.lengths)} tokens + max_new {cfg.max_new} exceed the model's "
                          f"max_position_embeddings={limit}")
-    learned = {label: kvjax.load_scorers(d, model=model) for label, d in cfg.learned.items()}
+    learned, digests = load_learned(cfg.learned, model)
     names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
     gen = Generator(tok)
     run = {"model": config_hash(model.config), "metric": "longctx-v1", "prefill": cfg.prefill,
@@ -180,8 +180,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
            "pool": cfg.pool, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={
-        lbl: {"scorer": folder_digest(d), **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
-        for lbl, d in cfg.learned.items()})
+        lbl: {**digests[lbl], **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
+        for lbl in cfg.learned})
     try:
         work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
         for length in cfg.lengths:
@@ -273,14 +273,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             for comp in cfg.compressions:
                 ev = budget(cfg, length, comp)
                 for name in names[1:]:
-                    if name in learned:
-                        rule = cfg.learned_budgets.get(name, "uniform")
-                        make = functools.partial(learned[name].at_budget, dataclasses.replace(ev, budgets=rule),
-                                                 context=length)
-                    elif name in ORACLES:
-                        make = lambda n=name, e=ev: make_policy(n, e, params=oracle(ORACLES[n]))   # noqa: E731
-                    else:
-                        make = functools.partial(make_policy, name, ev)
+                    make = functools.partial(build_policy, name, ev, learned, context=length, oracle=oracle,
+                                             learned_budgets=cfg.learned_budgets.get(name, "uniform"))
                     answer(make, name, comp)
         bar.close()
         wanted = {record_key(length, 0.0 if name == "dense" else comp, name, f"{task}/{i}")

@@ -10,7 +10,8 @@ import kvjax
 from kvjax.data import TestbedConfig, batch
 from kvjax.evaluation.budgets import budget_for
 from kvjax.evaluation.config import EvalConfig
-from kvjax.evaluation.quality import ANSWER_MAX_NEW, BatchContext, build_policy, evaluate_policy
+from kvjax.evaluation.policy_rows import build_policy
+from kvjax.evaluation.quality import ANSWER_MAX_NEW, ORACLES, BatchContext, evaluate_policy
 from train_helpers import TINY_MODEL
 
 
@@ -26,12 +27,14 @@ def test_a_variant_builds_its_base_policy_under_its_split(ctx):
     ev = ctx.ev                                                    # 4 sinks + 2 window + 26 top-k
     variants = {"l0_dense": {"policy": "oracle_peak", "budgets": "shares", "head_shares": [[100, 100], [1, 1]]},
                 "tilted": {"policy": "knorm", "budgets": "shares", "head_shares": [[1.5, 0.5], [1.5, 0.5]]}}
-    pol = build_policy("l0_dense", ev, {}, ctx, variants)
+    pol = build_policy("l0_dense", ev, {}, context=ctx.tokens.shape[1] + ANSWER_MAX_NEW, variants=variants,
+                       oracle=ctx.oracle_params)
     context = 128 + ANSWER_MAX_NEW
     assert pol.name == "oracle_peak" and pol.config.k_max == context - ev.sinks - ev.window
     b = np.asarray(pol.head_budgets(pol.params, ctx.model.config, 2))
     assert b[0].min() == context - ev.sinks - ev.window and (b[1] == ev.topk).all()
-    tilted = build_policy("tilted", ev, {}, ctx, variants)
+    tilted = build_policy("tilted", ev, {}, context=ctx.tokens.shape[1] + ANSWER_MAX_NEW, variants=variants,
+                          oracle=ctx.oracle_params)
     tb = np.asarray(tilted.head_budgets(None, ctx.model.config, 1))[:, 0]
     assert tb.sum() == 4 * ev.topk and tb[0, 0] == int(1.5 * ev.topk)      # the same total, split 3:1
     res = evaluate_policy(ctx, "l0_dense", {}, answers=False, variants=variants)
@@ -69,7 +72,8 @@ def test_oracle_values_keeps_fact_values_before_anything_else(ctx):
     start = int(ctx.b["answer_start"][0])
     long_range_values = {t for t in values if 4 <= t < start - 2}          # outside sinks and window
     for topk in (len(long_range_values) + 3, 4):
-        pol = build_policy("oracle_values", EvictionConfig(sinks=4, window=2, topk=topk), {}, ctx)
+        pol = build_policy("oracle_values", EvictionConfig(sinks=4, window=2, topk=topk), {}, oracle=ctx.oracle_params,
+                           oracles=ORACLES)
         _, lr = kept_positions(ctx.model, tokens, ctx.b["answer_start"], pol)
         kept = set(lr[0, 0, 0][lr[0, 0, 0] >= 0].tolist())
         assert long_range_values <= kept if topk > 4 else (len(kept) == 4 and kept <= long_range_values)
