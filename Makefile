@@ -96,17 +96,17 @@ KVPRESS_COMPRESSIONS ?= 0.75 0.88
 KVPRESS_SET ?= --set "lengths=[1024]" --set problems=32 --set "tasks=[niah_noise, niah_text, niah_multikey]"
 KVPRESS_OUT ?= results/kvpress/smollm2-1k
 KVJAX_STORE ?= results/longctx/smollm2-compressed results/longctx/smollm2-baselines-1k
-$(KVPRESS_VENV)/.installed: bench/kvpress_venv.sh
-	bash bench/kvpress_venv.sh
+$(KVPRESS_VENV)/.installed: experiments/kvpress_venv.sh
+	bash experiments/kvpress_venv.sh
 	touch $@
 
 kvpress-compare: $(KVPRESS_VENV)/.installed real-model
 	$(PY) -m kvjax.longctx --config $(LONGCTX) $(KVPRESS_SET) --export-problems runs/kvpress-compare/problems.jsonl
-	$(KVPRESS_VENV)/bin/python bench/kvpress_compare.py --problems runs/kvpress-compare/problems.jsonl \
+	$(KVPRESS_VENV)/bin/python experiments/kvpress_compare.py --problems runs/kvpress-compare/problems.jsonl \
 		--model $$($(PY) -c "from kvjax.real_model import default_model_dir as d; print(d())") \
 		--presses $(KVPRESS_PRESSES) --compressions $(KVPRESS_COMPRESSIONS) --max-new 32 \
 		--window 32 --kernel 7 --sinks 4 --out $(KVPRESS_OUT)
-	$(PY) bench/kvpress_side_by_side.py --kvjax $(KVJAX_STORE) --kvpress $(KVPRESS_OUT) \
+	$(PY) experiments/kvpress_side_by_side.py --kvjax $(KVJAX_STORE) --kvpress $(KVPRESS_OUT) \
 		--out $(KVPRESS_OUT)/side_by_side.md
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).

@@ -164,10 +164,10 @@ KVPRESS = """usage: kvjax kvpress-compare [--run [MAKE_VARIABLE=VALUE ...]]
 
 kvjax's long-context table beside NVIDIA kvpress's presses on the same tokenized problems.
 kvpress pins other torch/transformers versions than kvjax, so it runs in its own virtual
-environment (.venv-kvpress, made by bench/kvpress_venv.sh) and the comparison is the Makefile
+environment (.venv-kvpress, made by experiments/kvpress_venv.sh) and the comparison is the Makefile
 target `make kvpress-compare` of the repository checkout: it exports the problems
-(python -m kvjax.longctx --export-problems), runs bench/kvpress_compare.py in .venv-kvpress and
-prints both sides (bench/kvpress_side_by_side.py). About 80 minutes on 2 cores from scratch.
+(python -m kvjax.longctx --export-problems), runs experiments/kvpress_compare.py in .venv-kvpress and
+prints both sides (experiments/kvpress_side_by_side.py). About 80 minutes on 2 cores from scratch.
 
   --run    run that make target in the checkout (make variables may follow)
 

@@ -81,13 +81,13 @@ def run_quality(cfg) -> dict:
     from kvjax.data import TestbedConfig, batch
     from kvjax.evaluation.budgets import budget_for
     from kvjax.evaluation.quality import BatchContext, aggregate, evaluate_policy
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.results_store import ResultsStore, load_learned, record_key
 
     model = kvjax.load_hf(cfg.model)
     # only what this run's policies use: a subset run needs no other policy's files
     scorer_dirs = {label: path for label, path in cfg.scorers.items() if label in cfg.policies}
     student_dirs = {label: path for label, path in cfg.students.items() if label in cfg.policies}
-    learned = {label: kvjax.load_scorers(path) for label, path in scorer_dirs.items()}
+    learned, _ = load_learned(scorer_dirs, model)     # the store keeps this runner's own fingerprints
     students = {label: kvjax.load_hf(path) for label, path in student_dirs.items()}
     base = TestbedConfig(**cfg.testbed)
     run_fp, policy_fps = _fingerprint(cfg, model, scorer_dirs, student_dirs)

@@ -3,11 +3,11 @@
 Testbed quality (:mod:`kvjax.evaluation.quality`), trace fidelity
 (:mod:`kvjax.evaluation.trace_fidelity`), trace retention (:mod:`kvjax.evaluation.trace_retention`)
 and the long-context runner (:mod:`kvjax.longctx.run`) name their rows the same way: ``dense``
-(no policy), a label of loaded scorers (:func:`load_learned`), a hindsight oracle (its
+(no policy), a label of loaded scorers (:func:`kvjax.evaluation.results_store.load_learned`), a hindsight oracle (its
 priorities from the batch, ``oracle(kind)``), a variant of a registered policy (quality's
 diagnostic rows) or a registered policy's name. All four store their records in a
 :class:`kvjax.evaluation.results_store.ResultsStore`, fingerprinted by the digests
-:func:`load_learned` returns.
+:func:`kvjax.evaluation.results_store.load_learned` returns.
 """
 
 from __future__ import annotations
@@ -19,16 +19,6 @@ from kvjax.eviction.config import EvictionConfig
 
 # hindsight oracles: row name -> the kind of future attention its priorities are
 ORACLES = {"oracle": "mean", "oracle_peak": "peak", "oracle_union": "union"}
-
-
-def load_learned(folders: dict, model) -> tuple[dict, dict]:
-    """``(label -> policy, label -> {"scorer": the folder's digest})`` for exported scorer folders
-    (``kvjax.load_scorers``, checked against ``model``)."""
-    from kvjax.evaluation.results_store import folder_digest
-    from kvjax.export import load_scorers
-
-    learned = {label: load_scorers(d, model=model) for label, d in folders.items()}
-    return learned, {label: {"scorer": folder_digest(d)} for label, d in folders.items()}
 
 
 def variant_config(ev: EvictionConfig, fields: dict, context: int) -> EvictionConfig:

@@ -24,6 +24,16 @@ from pathlib import Path
 from kvjax.dir_lock import DirLock
 
 
+def load_learned(folders: dict, model) -> tuple[dict, dict]:
+    """``(label -> policy, label -> {"scorer": the folder's digest})`` for exported scorer folders
+    (``kvjax.load_scorers``, checked against ``model``): the learned rows of every runner and the
+    fingerprints its store keeps for them."""
+    from kvjax.export import load_scorers
+
+    learned = {label: load_scorers(d, model=model) for label, d in folders.items()}
+    return learned, {label: {"scorer": folder_digest(d)} for label, d in folders.items()}
+
+
 def folder_digest(folder) -> str:
     """A short digest of every file in ``folder`` (names and bytes): a scorer's fingerprint."""
     import hashlib

@@ -123,8 +123,8 @@ def run_fidelity(cfg: FidelityConfig, *, model=None, progress: bool = True) -> d
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.policy_rows import build_policy, load_learned
-    from kvjax.evaluation.results_store import ResultsStore, folder_digest, record_key
+    from kvjax.evaluation.policy_rows import build_policy
+    from kvjax.evaluation.results_store import ResultsStore, folder_digest, load_learned, record_key
     from kvjax.eviction.forced import sparse_logits, stepwise_logits
     from kvjax.export import config_hash
     from kvjax.real_model import ensure_model

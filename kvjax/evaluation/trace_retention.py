@@ -67,8 +67,8 @@ def run_retention(cfg: RetentionConfig, *, model=None, progress: bool = True) ->
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities
-    from kvjax.evaluation.policy_rows import build_policy, load_learned
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.policy_rows import build_policy
+    from kvjax.evaluation.results_store import ResultsStore, load_learned, record_key
     from kvjax.evaluation.retention import kept_positions, retention_recall
     from kvjax.evaluation.trace_fidelity import load_traces
     from kvjax.eviction.policies import make_policy

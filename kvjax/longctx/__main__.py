@@ -4,7 +4,7 @@ Long-context quality (RULER-style tasks, in the configured compression setting) 
 model; writes ``out_dir/table.md``, ``out_dir/summary.json`` and two figures (accuracy vs
 compression per task, the needle heatmap) and prints the table.
 ``--export-problems FILE`` writes the config's problems as token ids instead (the input of
-``bench/kvpress_compare.py``) and evaluates nothing. ``--report`` writes the table and figures
+``experiments/kvpress_compare.py``) and evaluates nothing. ``--report`` writes the table and figures
 of what ``out_dir`` holds so far (problems with every record only) and runs nothing: it can be
 run while the evaluation adds to that folder.
 """

@@ -147,8 +147,8 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
 
     import kvjax
     from kvjax.evaluation.oracle import oracle_priorities, prefill_oracle_priorities
-    from kvjax.evaluation.policy_rows import build_policy, load_learned
-    from kvjax.evaluation.results_store import ResultsStore, record_key
+    from kvjax.evaluation.policy_rows import build_policy
+    from kvjax.evaluation.results_store import ResultsStore, load_learned, record_key
     from kvjax.eviction.prompt_compressed import prompt_compressed
     from kvjax.eviction.shared_prefill import answer as shared_answer
     from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
@@ -290,7 +290,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
 def export_problems(cfg: LongCtxConfig, path, tokenizer) -> int:
     """Write this config's problems, tokenized exactly as the runner feeds them, as JSONL
     ``{"id", "task", "length", "depth", "context_ids", "question_ids", "answers", "metric"}``
-    (for ``bench/kvpress_compare.py``: the same token ids, compressed at the context's end).
+    (for ``experiments/kvpress_compare.py``: the same token ids, compressed at the context's end).
     Returns the number written."""
     import json
 

@@ -20,7 +20,7 @@ import pytest
 from paths import ROOT, TESTS
 
 # folders a script runs from (its folder goes first on sys.path) and what conftest.py puts there
-SCRIPT_FOLDERS = ("bench", ".", "tests")
+SCRIPT_FOLDERS = ("bench", "experiments", ".", "tests")
 
 
 def _module_names(folder: Path) -> dict[str, Path]:

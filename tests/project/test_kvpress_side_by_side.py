@@ -1,4 +1,4 @@
-"""``bench/kvpress_side_by_side.py``: kvjax's store and kvpress's records joined on the same problem
+"""``experiments/kvpress_side_by_side.py``: kvjax's store and kvpress's records joined on the same problem
 ids; the every-row table covers only the problems that every row answered at every compression."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from paths import ROOT
 
 def _bench():
     spec = importlib.util.spec_from_file_location("kvpress_side_by_side",
-                                                  os.path.join(ROOT, "bench", "kvpress_side_by_side.py"))
+                                                  os.path.join(ROOT, "experiments", "kvpress_side_by_side.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""``bench/testbed_kvpress.py``: the exported testbed problems split each prompt at its query
+"""``experiments/testbed_kvpress.py``: the exported testbed problems split each prompt at its query
 line, so kvpress compresses the program and never the question."""
 
 import importlib.util
@@ -11,7 +11,7 @@ from kvjax.data.vocab import TOKEN_TO_ID
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("testbed_kvpress", os.path.join(ROOT, "bench", "testbed_kvpress.py"))
+    spec = importlib.util.spec_from_file_location("testbed_kvpress", os.path.join(ROOT, "experiments", "testbed_kvpress.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,6 +1,6 @@
 """Which of a needle's tokens each policy still holds when the prompt ends.
 
-    python bench/needle_kept_share.py [--tasks niah_noise niah_text] [--problems 8] [--length 1024]
+    python experiments/needle_kept_share.py [--tasks niah_noise niah_text] [--problems 8] [--length 1024]
         [--compression 0.75] [--learned kvpop_mlp=assets/smollm2-scorers/kvpop-mlp-mean ...]
         [--prefill bounded|compressed] [--question-aware] [--obs-window 32] [--pool 7]
         [--retrieval-heads 20] [--duo assets/smollm2-duo]

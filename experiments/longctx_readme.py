@@ -1,7 +1,7 @@
 """Refresh the README's headline long-context table and docs/real-model.md's full tables from
 the committed store (runs nothing; can run while the table is being computed).
 
-    python bench/longctx_readme.py [--config configs/longctx-smollm2-compressed.yaml]
+    python experiments/longctx_readme.py [--config configs/longctx-smollm2-compressed.yaml]
 
 Writes the store folder's ``table.md``, ``summary.json`` and figures (``python -m kvjax.longctx
 --report``), copies the figures to ``docs/figures/smollm2-longctx-compressed-*.png``, and

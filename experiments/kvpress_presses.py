@@ -1,4 +1,4 @@
-"""Every kvpress 0.5.5 press that ``bench/kvpress_compare.py`` runs, by name (runs inside .venv-kvpress).
+"""Every kvpress 0.5.5 press that ``experiments/kvpress_compare.py`` runs, by name (runs inside .venv-kvpress).
 
 Wrapper presses get the inner presses kvpress pairs them with in its own benchmark list
 (``evaluation/evaluate_registry.py``); a press with a window, pooling kernel or sink count takes the

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv-kvpress (repo root): NVIDIA kvpress 0.5.5 for the side-by-side comparison with kvjax
-# (bench/kvpress_compare.py runs inside it; it never imports kvjax or jax, and kvjax's .venv is not
+# (experiments/kvpress_compare.py runs inside it; it never imports kvjax or jax, and kvjax's .venv is not
 # touched).
 #
-#   bash bench/kvpress_venv.sh            # no-op when .venv-kvpress exists and imports kvpress 0.5.5
+#   bash experiments/kvpress_venv.sh            # no-op when .venv-kvpress exists and imports kvpress 0.5.5
 #
 # Pins: kvpress==0.5.5 (which requires transformers>=4.56,<5.3) and transformers 5.2.0, the newest
 # release it accepts. Not 4.x: the local SmolLM2 folder's config.json is written in the transformers-5

@@ -1,6 +1,6 @@
 """Question-aware against question-agnostic prefill compression, problem by problem.
 
-    python bench/question_aware.py [--agnostic results/longctx/smollm2-compressed] \\
+    python experiments/question_aware.py [--agnostic results/longctx/smollm2-compressed] \\
         [--aware results/longctx/smollm2-question-aware] [--length 1024]
 
 Both folders are ``python -m kvjax.longctx`` stores in kvpress's setting over the same token

@@ -1,7 +1,7 @@
 """kvpress side of the kvjax-vs-kvpress comparison (runs inside .venv-kvpress; never imports kvjax/jax).
 
-    bash bench/kvpress_venv.sh
-    .venv-kvpress/bin/python bench/kvpress_compare.py --problems P.jsonl \\
+    bash experiments/kvpress_venv.sh
+    .venv-kvpress/bin/python experiments/kvpress_compare.py --problems P.jsonl \\
         --model ~/.cache/kvjax/models/smollm2-135m-instruct --presses none snapkv streaming_llm \\
         --compressions 0.75 0.88 --max-new 32 --out runs/kvpress-compare
 
@@ -24,7 +24,7 @@ Protocol (kvpress's "question-agnostic" setting, as in ``kvpress/pipeline.py``
    output; ``any`` = 1 if any is.
 
 ``none`` runs once per problem, recorded with compression 0.0 (the dense baseline column). The presses,
-by name, with their knobs (``--window W --kernel K --sinks S``): ``bench/kvpress_presses.py``.
+by name, with their knobs (``--window W --kernel K --sinks S``): ``experiments/kvpress_presses.py``.
 
 Three departures from a plain prefill, each following kvpress's own code: after key re-rotation
 (finch, keyrerotation_streaming_llm) the question starts at the compressed cache length
@@ -200,7 +200,7 @@ def check_rope(model, model_dir: Path) -> None:
         got = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")
     if want is not None and (got is None or abs(float(got) - float(want)) > 1e-6 * float(want)):
         die(f"the loaded config has rope_theta={got}, {model_dir}/config.json says {want}: this transformers "
-            f"version does not read the folder's config (use bench/kvpress_venv.sh's transformers 5.2)")
+            f"version does not read the folder's config (use experiments/kvpress_venv.sh's transformers 5.2)")
 
 
 class Runner:

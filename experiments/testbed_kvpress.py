@@ -1,14 +1,14 @@
 """Why kvjax and kvpress disagreed on the synthetic testbed: the setting, measured problem by problem.
 
-    python bench/testbed_kvpress.py export --out runs/testbed-kvpress          # problems.jsonl
-    .venv-kvpress/bin/python bench/kvpress_compare.py --problems runs/testbed-kvpress/problems.jsonl \\
+    python experiments/testbed_kvpress.py export --out runs/testbed-kvpress          # problems.jsonl
+    .venv-kvpress/bin/python experiments/kvpress_compare.py --problems runs/testbed-kvpress/problems.jsonl \\
         --model assets/testbed-teacher --presses streaming_llm snapkv --compressions 0.75 \\
         --window 16 --kernel 7 --sinks 4 --max-new 32 --out runs/testbed-kvpress/kvpress
-    python bench/testbed_kvpress.py compare --out runs/testbed-kvpress        # the table
+    python experiments/testbed_kvpress.py compare --out runs/testbed-kvpress        # the table
 
 A testbed problem is a program (the context) whose last line asks a query; the model answers
 with a line (``answer n1 v1 -> ...``). ``export`` writes the held-out problems of the quality
-table (test split, 512 tokens) for ``bench/kvpress_compare.py``: the context is everything
+table (test split, 512 tokens) for ``experiments/kvpress_compare.py``: the context is everything
 before the ``query`` line, the question the query line up to ``answer`` (where the quality
 table starts generating). ``compare`` answers the same problems with kvjax in two settings
 

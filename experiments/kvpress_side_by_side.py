@@ -1,10 +1,10 @@
 """kvjax's and kvpress's rows together, problem by problem, on the same token ids.
 
-    python bench/kvpress_side_by_side.py --kvjax runs/longctx/smollm2-1k-compressed [more folders] \\
+    python experiments/kvpress_side_by_side.py --kvjax runs/longctx/smollm2-1k-compressed [more folders] \\
         --kvpress runs/kvpress-compare [--out docs/kvpress-side-by-side.md]
 
 ``--kvjax``: a ``python -m kvjax.longctx`` folder run with ``prefill: compressed`` (kvpress's
-setting); ``--kvpress``: a ``bench/kvpress_compare.py`` folder over the problems that run
+setting); ``--kvpress``: a ``experiments/kvpress_compare.py`` folder over the problems that run
 exported (``--export-problems``). For every method both ran (dense = kvpress's ``none``) and
 every compression: each side's mean score with its standard error over the problems both
 answered, how many answers are the same text, and how many problems score the same. Then every
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kvjax", type=Path, required=True, nargs="+",
                     help="python -m kvjax.longctx output folders (their records together)")
-    ap.add_argument("--kvpress", type=Path, required=True, help="bench/kvpress_compare.py output folder")
+    ap.add_argument("--kvpress", type=Path, required=True, help="experiments/kvpress_compare.py output folder")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     ours = [r for folder in args.kvjax for r in _read(folder / "problems.jsonl")]
