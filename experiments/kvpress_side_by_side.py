@@ -32,6 +32,15 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _read_store(folder: Path) -> list[dict]:
+    """A kvjax results folder's records (``problems.jsonl.gz``)."""
+    from kvjax.evaluation.results_store import read_records, store_file
+
+    if not store_file(folder).is_file():
+        sys.exit(f"kvpress_side_by_side: {store_file(folder)} does not exist")
+    return read_records(folder)
+
+
 def _mean_and_se(x: list[float]) -> tuple[float, float]:
     m = sum(x) / len(x)
     if len(x) < 2:
@@ -112,7 +121,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kvpress", type=Path, required=True, help="experiments/kvpress_compare.py output folder")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
-    ours = [r for folder in args.kvjax for r in _read(folder / "problems.jsonl")]
+    ours = [r for folder in args.kvjax for r in _read_store(folder)]
     theirs = _read(args.kvpress / "records.jsonl")
     md = (side_by_side(ours, theirs) + "\n\n**Every kvjax policy and every kvpress press**\n\n"
           + every_row(ours, theirs))

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _read(folder: Path) -> dict:
-    path = folder / "problems.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"question_aware: {path} does not exist")
-    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines()) if r}
+    from kvjax.evaluation.results_store import read_records, store_file
+
+    if not store_file(folder).is_file():
+        raise SystemExit(f"question_aware: {store_file(folder)} does not exist")
+    return {r["key"]: r for r in read_records(folder)}
 
 
 def _se(x: list[float]) -> float:

@@ -195,7 +195,7 @@ def _testbed(args) -> int:
                         ("quality table", quality / "results.md"),
                         ("retention recall per head", quality / "recall_heads.png"),
                         ("eviction map of one trace", quality / "eviction_map.png"),
-                        ("per-problem results (resumable)", quality / "problems.jsonl"),
+                        ("per-problem results (resumable)", quality / "problems.jsonl.gz"),
                         ("decode benchmark table", bench / "results.md"),
                         ("decode latency / memory plot", bench / "decode_bench.png")]:
         print(f"  {label:<48} {path}")

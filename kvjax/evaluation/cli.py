@@ -9,7 +9,7 @@ first batch, the largest logit difference between the one-pass sparse path and t
 token-by-token decode path (``decode_diff``, with ``decode_agree``). Learned policies come from
 exported scorers (``scorers: {label: folder}``), each on its distilled student model
 (``students: {label: hf_folder}``). Per-problem results are appended to
-``out_dir/problems.jsonl`` as they complete, so rerunning an interrupted command resumes it;
+``out_dir/problems.jsonl.gz`` as they complete, so rerunning an interrupted command resumes it;
 after a scorer or student is retrained, only that policy's results are recomputed.
 Writes ``results.json``, ``results.md``, ``recall_heads.png`` and ``eviction_map.png``.
 

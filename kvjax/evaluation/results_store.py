@@ -1,13 +1,17 @@
 """Per-problem evaluation records on disk, so an interrupted run resumes where it stopped.
 
-``problems.jsonl`` holds one JSON record per evaluated (length, compression, policy,
-problem); each batch's records are appended and flushed as soon as the batch finishes.
+``problems.jsonl.gz`` holds one JSON record per evaluated (length, compression, policy,
+problem), gzip-compressed (about 15x smaller than the text: a committed table stays small and
+resumable); each batch's records are appended as a gzip member and flushed as soon as the
+batch finishes, and the file is rewritten as one member when the store opens and closes. A
+folder written before (``problems.jsonl``) is read and converted on open. Read a folder's
+records with :func:`read_records`.
 ``fingerprint.json`` holds what the records depend on: ``run`` (model, testbed, split,
 ...), shared by every record, and ``policies`` (per policy label: its scorer and student
 files). Reopening a folder whose ``run`` part differs is refused (results are never mixed);
 when only some policies' parts differ (a retrained scorer), just those policies' records
 are discarded and recomputed; policies this run does not evaluate keep their records and
-their stored fingerprint (a run over a subset of policies loses nothing). A torn last line
+their stored fingerprint (a run over a subset of policies loses nothing). A torn tail
 (a crash mid-write) is dropped and recomputed. A folder serves one evaluation at a time
 (``.lock``, removed on close); a second is refused.
 
@@ -17,11 +21,60 @@ too) and marks DST's ``table.md`` stale, printing the ``--report`` command that 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 
 from kvjax.dir_lock import DirLock
+
+STORE = "problems.jsonl.gz"      # the records of a results folder
+LEGACY_STORE = "problems.jsonl"  # the same, uncompressed (folders written before)
+
+
+def _gzip_bytes(text: str) -> bytes:
+    """``text`` as one gzip member with no name or time in its header (the same bytes every time)."""
+    return gzip.compress(text.encode(), compresslevel=6, mtime=0)
+
+
+def _read_lines(path: Path) -> list[str]:
+    """The complete lines of a store file (gzip members, or plain text); a torn tail (a crash
+    mid-append) ends the list."""
+    if not path.exists():
+        return []
+    if path.suffix != ".gz":
+        return path.read_text().splitlines()
+    lines, chunks = [], []
+    try:
+        with gzip.open(path, "rt") as f:
+            for line in f:
+                chunks.append(line)
+    except (EOFError, OSError, zlib.error):
+        pass                         # a truncated or damaged last member: what came before it stands
+    for line in chunks:
+        if not line.endswith("\n"):
+            break                    # a line cut in the middle
+        lines.append(line[:-1])
+    return lines
+
+
+def store_file(folder) -> Path:
+    """The records file of a results folder: ``problems.jsonl.gz``, or a legacy ``problems.jsonl``."""
+    folder = Path(folder)
+    return folder / LEGACY_STORE if not (folder / STORE).exists() and (folder / LEGACY_STORE).exists() \
+        else folder / STORE
+
+
+def read_records(folder) -> list[dict]:
+    """Every record of a results folder, in file order (a torn tail dropped)."""
+    out = []
+    for line in _read_lines(store_file(folder)):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
 
 
 def load_learned(folders: dict, model) -> tuple[dict, dict]:
@@ -71,6 +124,7 @@ class ResultsStore:
         whatever the folder's fingerprint says about it)."""
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._appended = False
         # one evaluation per folder at a time: a second one would rewrite problems.jsonl under
         # the first one's appends (its records would go to the replaced file and be lost)
         self._lock = DirLock(self.dir, "evaluation")
@@ -81,13 +135,15 @@ class ResultsStore:
             raise
 
     def _load(self, run: dict, resume: bool, policies: dict | None) -> None:
-        self.path = self.dir / "problems.jsonl"
+        self.path = self.dir / STORE
+        source = store_file(self.dir)                 # a legacy problems.jsonl is converted below
         fp_path = self.dir / "fingerprint.json"
         fingerprint = json.loads(json.dumps({"run": run, "policies": policies or {}}))   # normalise tuples, keys
-        if not resume and self.path.exists():
-            self.path.unlink()
+        if not resume:
+            for f in (self.path, self.dir / LEGACY_STORE):
+                f.unlink(missing_ok=True)
         stale: set[str] = set()
-        if self.path.exists() and fp_path.exists():
+        if source.exists() and fp_path.exists():
             old = _split_legacy(json.loads(fp_path.read_text()))
             if old["run"] != fingerprint["run"]:
                 o, n = old["run"], fingerprint["run"]
@@ -103,9 +159,9 @@ class ResultsStore:
         os.replace(tmp, fp_path)
         self.records: dict[str, dict] = {}
         self.discarded: dict[str, int] = {}   # policy -> records dropped because its files changed
-        if self.path.exists():
+        if source.exists():
             good: dict[str, str] = {}      # key -> its last line: a key written twice is kept once
-            for line in self.path.read_text().splitlines():
+            for line in _read_lines(source):
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
@@ -115,13 +171,27 @@ class ResultsStore:
                     continue
                 self.records[rec["key"]] = rec
                 good[rec["key"]] = line
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(g + "\n" for g in good.values()))
-            os.replace(tmp, self.path)
+            self._lines = good
+            self._rewrite()
+            if source != self.path:
+                source.unlink()
+        else:
+            self._lines = {}
+
+    def _rewrite(self) -> None:
+        """The store as one gzip member, replaced atomically."""
+        tmp = self.dir / f".{STORE}.tmp"
+        tmp.write_bytes(_gzip_bytes("".join(g + "\n" for g in self._lines.values())))
+        os.replace(tmp, self.path)
 
     def close(self) -> None:
-        """Release the folder for another evaluation (also done when the process exits)."""
-        self._lock.release()
+        """Compact the store into one gzip member and release the folder for another evaluation
+        (the lock is also released when the process exits)."""
+        try:
+            if self._appended:
+                self._rewrite()
+        finally:
+            self._lock.release()
 
     def has(self, keys) -> bool:
         return all(k in self.records for k in keys)
@@ -130,13 +200,17 @@ class ResultsStore:
         """Append the records whose keys are new (a batch rerun for its missing problems
         does not duplicate the ones already stored)."""
         records = [r for r in records if r["key"] not in self.records]
-        with self.path.open("a") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+        if not records:
+            return
+        lines = [json.dumps(rec) for rec in records]
+        with self.path.open("ab") as f:                  # one gzip member per batch
+            f.write(_gzip_bytes("".join(line + "\n" for line in lines)))
             f.flush()
             os.fsync(f.fileno())
-        for rec in records:
+        self._appended = True
+        for rec, line in zip(records, lines):
             self.records[rec["key"]] = rec
+            self._lines[rec["key"]] = line
 
 
 def read_fingerprint(folder) -> dict:

@@ -1,6 +1,6 @@
 """The long-context runner's figures: accuracy vs compression per task, and the needle
 heatmap (needle depth x context length) of dense, the best heuristic and the best learned
-policy. Both read the runner's per-problem records (``problems.jsonl``)."""
+policy. Both read the runner's per-problem records (``problems.jsonl.gz``)."""
 
 from __future__ import annotations
 

@@ -25,23 +25,18 @@ def report(cfg: LongCtxConfig) -> dict:
     and ``"complete"`` (``{length: {task: problems}}``)."""
     import json
 
-    from kvjax.evaluation.results_store import read_fingerprint, record_key
+    from kvjax.evaluation.results_store import read_fingerprint, read_records, record_key, store_file
 
     folder = Path(cfg.out_dir)
-    path = folder / "problems.jsonl"
-    if not path.is_file() or not (folder / "fingerprint.json").is_file():
-        raise FileNotFoundError(f"{folder}: no stored long-context run (problems.jsonl and fingerprint.json)")
+    if not store_file(folder).is_file() or not (folder / "fingerprint.json").is_file():
+        raise FileNotFoundError(f"{folder}: no stored long-context run (problems.jsonl.gz and fingerprint.json)")
     run = read_fingerprint(folder)["run"]
     clash = [k for k in REPORT_FIELDS if k in run and run[k] != getattr(cfg, k)]
     if clash:
         raise ValueError(f"{folder} holds a run with other settings ({', '.join(f'{k}={run[k]!r}' for k in clash)}) "
                          f"than the config ({', '.join(f'{k}={getattr(cfg, k)!r}' for k in clash)})")
     stored = {}
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            break                                   # a torn last line: the run will redo it
+    for r in read_records(folder):                  # a torn tail is dropped: the run will redo it
         stored[r["key"]] = r
     names = list(dict.fromkeys(["dense", *cfg.policies, *cfg.learned]))
     records, complete = [], {}

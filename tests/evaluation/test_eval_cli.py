@@ -1,6 +1,7 @@
 """eval.py end to end on tiny models: the quality table (rows, Rel columns, recall, plots,
 learned scorers, length generalisation, resuming) and the decode benchmark."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
+from kvjax.evaluation.results_store import read_records
 from kvjax.data import save_tokenizer
 from kvjax.eviction.learned import from_scorer
 from kvjax.export import export_scorers
@@ -61,7 +63,7 @@ def test_quality_mode_table_plots_lengths_and_learned_scorers(tmp_path):
     # the learned policy's sparse logits equal its decode path's, checked on the first length only
     assert rows[(128, "mine")]["decode_diff"] < 1e-3 and rows[(128, "mine")]["decode_agree"] == 1.0
     assert "decode_diff" not in rows[(256, "mine")] and "decode_diff" not in rows[(128, "h2o")]
-    lines = (tmp_path / "out" / "problems.jsonl").read_text().splitlines()
+    lines = [json.dumps(r) for r in read_records(tmp_path / "out")]
     assert len(lines) == 2 * 5 * 2                             # lengths x policies x problems
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| 128 | 0.750 | h2o | 32 |" in md and "| 256 | 0.750 | mine | 64 |" in md
@@ -80,15 +82,16 @@ def test_quality_mode_resumes_without_recomputing_or_mixing(tmp_path):
     assert full.returncode == 0, full.stderr[-3000:]
     part = _eval(*common, f"out_dir={tmp_path / 'part'}")
     assert part.returncode == 0, part.stderr[-3000:]
-    path = tmp_path / "part" / "problems.jsonl"
-    lines = path.read_text().splitlines()
+    path = tmp_path / "part" / "problems.jsonl.gz"
+    lines = [json.dumps(r) for r in read_records(tmp_path / "part")]
     assert len(lines) == 8
-    path.write_text("\n".join(lines[:5]) + "\n" + lines[5][: len(lines[5]) // 2])   # crash mid-write
+    torn = "\n".join(lines[:5]) + "\n" + lines[5][: len(lines[5]) // 2]          # crash mid-write
+    path.write_bytes(gzip.compress(torn.encode()))
     # a scorer this run does not evaluate is neither loaded nor fingerprinted (its folder may not exist)
     again = _eval(*common, f"out_dir={tmp_path / 'part'}", f"scorers={{unused: {tmp_path / 'nowhere'}}}")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming: 5 of 8" in again.stdout + again.stderr
-    assert len(path.read_text().splitlines()) == 8
+    assert len(read_records(tmp_path / "part")) == 8
     a = json.loads((tmp_path / "full" / "results.json").read_text())["rows"]
     b = json.loads((tmp_path / "part" / "results.json").read_text())["rows"]
     assert json.dumps(a) == json.dumps(b)   # (text: NaN entries compare equal)

@@ -2,11 +2,12 @@
 policy's records, a fingerprint written before the run / policies split still resumes, and a
 folder in use by another evaluation is refused."""
 
+import gzip
 import json
 
 import pytest
 
-from kvjax.evaluation.results_store import ResultsStore, record_key
+from kvjax.evaluation.results_store import ResultsStore, read_records, record_key
 
 RUN = {"model": "m", "weights": "w1", "split": "test"}
 POLICIES = {"kv": {"scorer": ["s", "d1"]}, "lk": {"scorer": ["l", "e1"], "student": ["t", "f1"]}}
@@ -32,14 +33,31 @@ def test_a_torn_tail_and_a_key_written_twice_are_mended_on_load(tmp_path):
     """Two writers once appended the same batch (the lock file removed by hand): the later
     line of a key wins, once; a torn last line is dropped and recomputed."""
     _filled(tmp_path)
-    path = tmp_path / "problems.jsonl"
+    path = tmp_path / "problems.jsonl.gz"
     twice = json.dumps({"key": record_key(1, 0.75, "kv", 1), "v": 10})
-    path.write_text(path.read_text() + twice + "\n" + '{"key": "1|0.75|kv|')
+    member = gzip.compress((twice + "\n" + '{"key": "1|0.75|kv|').encode())
+    path.write_bytes(path.read_bytes() + member + gzip.compress(b'{"key": "1|0.75|kv|2"}\n')[:-9])   # and a cut member
     st = ResultsStore(tmp_path, RUN, policies=POLICIES)
     assert len(st.records) == 9 and st.records[record_key(1, 0.75, "kv", 1)]["v"] == 10
     st.close()
-    lines = path.read_text().splitlines()
+    lines = [json.dumps(r) for r in read_records(tmp_path)]
     assert len(lines) == 9 and twice in lines
+
+
+def test_the_store_is_gzip_one_member_after_close_and_a_legacy_jsonl_is_converted(tmp_path):
+    _filled(tmp_path / "a")
+    data = (tmp_path / "a" / "problems.jsonl.gz").read_bytes()
+    text = gzip.decompress(data).decode()
+    assert data[:2] == b"\x1f\x8b" and data.count(b"\x1f\x8b\x08") == 1 and len(text.splitlines()) == 9
+    assert len(data) < len(text.encode())
+    legacy = tmp_path / "b"
+    legacy.mkdir()
+    (legacy / "problems.jsonl").write_text(text)
+    (legacy / "fingerprint.json").write_text((tmp_path / "a" / "fingerprint.json").read_text())
+    st = ResultsStore(legacy, RUN, policies=POLICIES)
+    assert len(st.records) == 9 and not (legacy / "problems.jsonl").exists()
+    st.close()
+    assert (legacy / "problems.jsonl.gz").read_bytes() == data     # the same bytes: no time or name in the header
 
 
 def test_changed_run_is_refused_and_nothing_is_lost(tmp_path):

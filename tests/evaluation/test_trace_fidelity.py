@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import kvjax
+from kvjax.evaluation.results_store import read_records
 from kvjax.evaluation.trace_fidelity import FidelityConfig, _compare, budget, crop_of, markdown, run_fidelity
 from kvjax.eviction.forced import sparse_logits
 from kvjax.eviction.policies import make_policy
@@ -50,7 +51,7 @@ def test_records_equal_a_direct_computation_and_the_run_resumes(model, tmp_path)
                          compressions=[0.5], crops=[64, 96], sinks=2, window=4, batch_size=2)
     tab = run_fidelity(cfg, model=model, progress=False)
     assert tab[0.5]["knorm"]["n"] == 3 and tab[0.5]["streaming_llm"]["n"] == 3
-    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    recs = read_records(tmp_path / "out")
     r = next(r for r in recs if r["id"] == "t1" and r["policy"] == "knorm")
     assert r["crop"] == 96
     tokens = jnp.asarray([json.loads(f.read_text().splitlines()[1])["tokens"][:96]], jnp.int32)
@@ -59,9 +60,9 @@ def test_records_equal_a_direct_computation_and_the_run_resumes(model, tmp_path)
                                tokens)
     assert r["top1"] == [int(agree[0]), int(n[0])] and r["kl"] == pytest.approx(float(kl[0]), rel=1e-5)
     assert 0 < r["top1"][0] < r["top1"][1] == 85
-    before = (tmp_path / "out" / "problems.jsonl").read_bytes()
+    before = (tmp_path / "out" / "problems.jsonl.gz").read_bytes()
     again = run_fidelity(cfg, model=model, progress=False)           # everything stored: nothing recomputed
-    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
+    assert (tmp_path / "out" / "problems.jsonl.gz").read_bytes() == before and again == tab
     assert "| knorm (N=3) |" in markdown(tab)
 
 

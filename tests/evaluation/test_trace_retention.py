@@ -56,9 +56,9 @@ def test_records_equal_a_direct_computation_resume_and_figures(model, tmp_path):
     np.testing.assert_array_equal(np.sort(rec["kept"], -1), np.sort(every[:, 0], -1))
     assert "kept" not in next(r for r in records if r["id"] == "t0")
     assert 0.0 < summary["knorm"]["recall"] < 1.0
-    before = (tmp_path / "out" / "problems.jsonl").read_bytes()
+    before = (tmp_path / "out" / "problems.jsonl.gz").read_bytes()
     again, _ = run_retention(cfg, model=model, progress=False)     # all stored: nothing recomputed
-    assert again == summary and (tmp_path / "out" / "problems.jsonl").read_bytes() == before
+    assert again == summary and (tmp_path / "out" / "problems.jsonl.gz").read_bytes() == before
     paths = write_figures(cfg, summary, records, _Tok())
     assert [p.name for p in paths] == ["figure7_recall.png", "figure6_eviction_map.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)

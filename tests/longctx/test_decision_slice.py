@@ -9,6 +9,7 @@ import pytest
 from scipy.stats import spearmanr
 
 from kvjax.configio import load_config
+from kvjax.evaluation.results_store import read_records
 from kvjax.longctx.decision_slice import compare, main
 from kvjax.longctx.run import LongCtxConfig
 from paths import ROOT
@@ -18,8 +19,7 @@ SLICE = os.path.join(ROOT, "configs/longctx-smollm2-baselines-1k.yaml")
 
 
 def _records(folder):
-    with open(os.path.join(ROOT, folder, "problems.jsonl")) as f:
-        return [json.loads(line) for line in f]
+    return read_records(os.path.join(ROOT, folder))
 
 
 @pytest.fixture(scope="module")

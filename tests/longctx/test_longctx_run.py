@@ -10,6 +10,7 @@ import transformers
 from flax import nnx
 
 import kvjax
+from kvjax.evaluation.results_store import read_records
 from kvjax.evaluation.oracle import oracle_priorities
 from kvjax.longctx.report import markdown
 from kvjax.longctx.run import LongCtxConfig, budget, run_longctx, table, to_json
@@ -34,7 +35,7 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
                         policies=["streaming_llm", "oracle", "tova"], sinks=2, window=8, max_new=6, batch_size=2,
                         out_dir=str(tmp_path / "out"))
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
-    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    recs = read_records(tmp_path / "out")
     assert len(recs) == 2 * 3 * 4                        # tasks x problems x (dense, streaming, oracle, tova)
     # problem qa/2 (batched with qa/1: batches mix tasks, 6 problems in 3 batches of 2): rerun it alone
     p = Generator(tok).problem("qa", 256, 2)
@@ -56,13 +57,13 @@ def test_records_equal_a_direct_run_and_resume(model, tok, tmp_path):
     cut = out.tolist()[: next((i for i, t in enumerate(out.tolist()) if t in stops), len(out))]
     r = next(r for r in recs if r["task"] == "qa" and r["index"] == 2 and r["policy"] == "tova")
     assert r["answer"] == tok.decode(cut, skip_special_tokens=True)[:160]
-    before = (tmp_path / "out" / "problems.jsonl").read_bytes()
+    before = (tmp_path / "out" / "problems.jsonl.gz").read_bytes()
     again = run_longctx(cfg, model=model, tokenizer=tok, progress=False)     # all stored: nothing recomputed
-    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before and again == tab
+    assert (tmp_path / "out" / "problems.jsonl.gz").read_bytes() == before and again == tab
     assert "| streaming_llm [3] |" in markdown(tab, cfg, ["dense", "streaming_llm", "oracle", "tova"])
     fewer = dataclasses.replace(cfg, problems=2)      # a smaller config on the same folder: its records only
     small = run_longctx(fewer, model=model, tokenizer=tok, progress=False)
-    assert (tmp_path / "out" / "problems.jsonl").read_bytes() == before
+    assert (tmp_path / "out" / "problems.jsonl.gz").read_bytes() == before
     assert {v[2] for v in small["cells"].values()} == {2}
     json.dumps(to_json(tab))
 
@@ -77,7 +78,7 @@ def test_prefill_compressed_records_equal_a_direct_run(model, tok, tmp_path):
                         policies=["snapkv", "knorm", "adakv", "oracle"], sinks=2, window=8, max_new=6, batch_size=2,
                         prefill="compressed", out_dir=str(tmp_path / "out"))
     tab = run_longctx(cfg, model=model, tokenizer=tok, progress=False)
-    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    recs = read_records(tmp_path / "out")
     assert {r["prefill"] for r in recs if r["policy"] != "dense"} == {"compressed"}
     p = Generator(tok).problem("niah_noise", 256, 1)
     ctx, q = prompt_ids(tok, p)
@@ -114,7 +115,7 @@ def test_an_oracle_beside_static_rankers_keeps_the_prefills_queries(model, tok, 
                         policies=["knorm", "oracle"], sinks=2, window=8, max_new=4, batch_size=1,
                         prefill="compressed", out_dir=str(tmp_path / "out"))
     run_longctx(cfg, model=model, tokenizer=tok, progress=False)
-    recs = [json.loads(line) for line in (tmp_path / "out" / "problems.jsonl").read_text().splitlines()]
+    recs = read_records(tmp_path / "out")
     assert sorted(r["policy"] for r in recs) == ["dense", "knorm", "oracle"]
 
 

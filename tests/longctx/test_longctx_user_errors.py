@@ -11,7 +11,7 @@ import pytest
 
 import kvjax.longctx.__main__ as cli
 from kvjax.configio import load_config
-from kvjax.evaluation.results_store import ResultsStore, record_key
+from kvjax.evaluation.results_store import ResultsStore, read_records, record_key
 from kvjax.longctx.report import length_label, overview
 from kvjax.longctx.checks import check_learned, exported_policy
 from kvjax.longctx.run import LongCtxConfig
@@ -51,7 +51,7 @@ def test_ctrl_c_prints_one_resumable_line_and_exits_130(tmp_path, monkeypatch, c
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert "interrupted" in err[0] and "nothing stored is lost" in err[0] and str(out) in err[0]
     assert shlex.split(err[0].split("resumable: ", 1)[1]) == ["python", "-m", "kvjax.longctx", *argv]
-    assert len((out / "problems.jsonl").read_text().splitlines()) == 1
+    assert len(read_records(out)) == 1
     assert not (out / ".lock").exists()
 
 
