@@ -1,7 +1,5 @@
 """Attention under the keep rule (XLA, reference quality).
 
-- ``keep_mask_heads``: the dense ``[B, K, S, S]`` keep rule from per-head priorities,
-  via static ranks and Fenwick cutoffs (so training, prefill and decoding share it).
 - ``masked_attention``: causal softmax attention restricted to a per-KV-head mask,
   returning the output and the per-query log-sum-exp (training and prefill path).
 - ``statistic_probs``: the prefill's attention probabilities an attention statistic reads
@@ -16,17 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.eviction.fenwick import cutoffs_from_ranks, token_ranks
-from kvjax.eviction.keep_rule import keep_mask_from_compact
 from pallas_kernels.reference import grouped_attention
-
-
-def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
-    """``bool [B, K, S, S]``: ``[.., q, t]`` true where query ``q`` may attend key ``t``;
-    ``topk`` an int or per-head budgets broadcastable to ``[B, K]``."""
-    ranks = token_ranks(prio_BKS)                                                        # [B, K, S]
-    cut = cutoffs_from_ranks(ranks, sinks=sinks, window=window, topk=topk)               # [B, K, S]
-    return keep_mask_from_compact(ranks, cut, sinks, window)
 
 
 def masked_attention(q_BSHD, k_BSKD, v_BSKD, keep_BKSS, log_weights_BKSS=None):

@@ -62,6 +62,14 @@ def keep_mask(priority_S, *, sinks: int, window: int, topk: int) -> jax.Array:
     return keep_mask_from_compact(rank_S, cutoff_S, sinks, window)
 
 
+def keep_mask_heads(prio_BKS, *, sinks: int, window: int, topk):
+    """:func:`keep_mask` for every head at once: ``bool [B, K, S, S]`` from ``prio [B, K, S]``;
+    ``topk`` an int or per-head budgets broadcastable to ``[B, K]``."""
+    ranks = token_ranks(prio_BKS)                                                        # [B, K, S]
+    cut = cutoffs_from_ranks(ranks, sinks=sinks, window=window, topk=topk)               # [B, K, S]
+    return keep_mask_from_compact(ranks, cut, sinks, window)
+
+
 def keep_mask_from_compact(rank_XS, cutoff_XS, sinks: int, window: int) -> jax.Array:
     """Dense mask ``bool [..., S, S]`` from ``rank`` and ``cutoff`` ``[..., S]``."""
     sinks = validate_size("sinks", sinks, 0)

@@ -65,10 +65,10 @@ class KVpopMLP(_Learned):
 
     @staticmethod
     def make_scorer(meta: dict):
-        from kvjax.scorers import MLPScorer
+        from kvjax.scorers.build import make_scorer
 
-        return MLPScorer(meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["hidden"],
-                         activation=meta["activation"], rngs=nnx.Rngs(0))
+        return make_scorer("mlp", meta["num_layers"], meta["kv_heads"], meta["head_dim"], hidden=meta["hidden"],
+                           activation=meta["activation"])
 
     def export_sizes(self) -> dict:
         sc = self.export_scorer()
@@ -94,11 +94,11 @@ class KVpopMLSTM(_Learned):
 
     @staticmethod
     def make_scorer(meta: dict):
-        from kvjax.scorers import MLSTMScorer
+        from kvjax.scorers.build import make_scorer
 
         # exports written before readout_norm existed read the memory without the norm
-        return MLSTMScorer(meta["num_layers"], meta["kv_heads"], meta["head_dim"], meta["qk_dim"], v_dim=meta["v_dim"],
-                           readout_norm=meta.get("readout_norm", False), rngs=nnx.Rngs(0))
+        return make_scorer("mlstm", meta["num_layers"], meta["kv_heads"], meta["head_dim"], qk_dim=meta["qk_dim"],
+                           v_dim=meta["v_dim"], readout_norm=meta.get("readout_norm", False))
 
     def export_sizes(self) -> dict:
         sc = self.export_scorer()

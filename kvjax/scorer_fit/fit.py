@@ -38,7 +38,7 @@ from flax import nnx
 
 from kvjax.losses import regression_loss
 from kvjax.scorer_fit.features import TARGETS, FeatureSplit
-from kvjax.scorers import MLPScorer, MLSTMScorer
+from kvjax.scorers.build import make_scorer
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,9 @@ class FitConfig:
             raise ValueError("steps, batch_traces, seq_len, hidden, qk_dim and chunk must be >= 1")
 
 
-def make_scorer(cfg: FitConfig, L: int, K: int, D: int):
-    rngs = nnx.Rngs(cfg.seed + 17)
-    if cfg.scorer == "mlp":
-        return MLPScorer(L, K, D, cfg.hidden, rngs=rngs)
-    return MLSTMScorer(L, K, D, cfg.qk_dim, rngs=rngs)
+def fit_scorer(cfg: FitConfig, L: int, K: int, D: int):
+    """The fit's fresh scorer (:func:`kvjax.scorers.build.make_scorer`)."""
+    return make_scorer(cfg.scorer, L, K, D, hidden=cfg.hidden, qk_dim=cfg.qk_dim, seed=cfg.seed + 17)
 
 
 def scorer_scores(scorer, x_BSLKX, lengths_B, window: int, chunk: int):
@@ -182,7 +180,7 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         valid_dir = Path(cfg.features_dir) / "valid"
         valid = FeatureSplit(valid_dir) if (valid_dir / "index.json").exists() else None
         T, L, K, X = train.x.shape
-        scorer = make_scorer(cfg, L, K, X // 2)
+        scorer = fit_scorer(cfg, L, K, X // 2)
         graphdef, params = nnx.split(scorer)
         warm = min(cfg.warmup_steps, cfg.steps - 1)
         sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(warm, 1), max(cfg.steps, warm + 2), cfg.lr * 0.1)

@@ -29,7 +29,7 @@ import pallas_kernels
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.learned import from_scorer
 from kvjax.losses import boundary_pairwise_loss, cached_topk_kl, kl_distill, regression_loss, topk_kl_distill
-from kvjax.scorers import MLPScorer, MLSTMScorer
+from kvjax.scorers.build import make_scorer
 from kvjax.train.config import TrainConfig
 from kvjax.train.model_init import build_model
 from kvjax.train.optim import split_params
@@ -44,13 +44,11 @@ class Student(nnx.Module):
         self.scorers = scorers
 
 
-def make_scorer(cfg: TrainConfig, model_cfg, seed: int):
-    ev = cfg.eviction
-    rngs = nnx.Rngs(seed + 17)
-    if ev.kvpop.scorer == "mlp":
-        return MLPScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.kvpop.hidden, rngs=rngs)
-    return MLSTMScorer(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, ev.kvpop.mlstm_qk_dim,
-                       readout_norm=ev.kvpop.mlstm_readout_norm, rngs=rngs)
+def student_scorers(cfg: TrainConfig, model_cfg, seed: int):
+    """The run's fresh scorers (:func:`kvjax.scorers.build.make_scorer`)."""
+    kp = cfg.eviction.kvpop
+    return make_scorer(kp.scorer, model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim, hidden=kp.hidden,
+                       qk_dim=kp.mlstm_qk_dim, readout_norm=kp.mlstm_readout_norm, seed=seed + 17)
 
 
 def student_policy(scorers, cfg: TrainConfig):
@@ -86,7 +84,7 @@ def distill_kvpop_task(cfg: TrainConfig, *, abstract: bool = False):
     cached = cfg.data.teacher_cache is not None     # the teacher's top-k arrives with the batch: no teacher here
     teacher = None if cached else build_model(teacher_section(cfg), cfg.seed, abstract=abstract)
     backbone = build_model(cfg.model, cfg.seed, abstract=abstract)
-    make = functools.partial(make_scorer, cfg, backbone.config, cfg.seed)
+    make = functools.partial(student_scorers, cfg, backbone.config, cfg.seed)
     scorers = nnx.eval_shape(make) if abstract else make()
     student = Student(backbone, scorers)
     graphdef, params = split_params(student)

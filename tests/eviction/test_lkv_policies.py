@@ -9,7 +9,7 @@ from flax import nnx
 
 import kvjax
 from kvjax.eviction import keep_mask
-from kvjax.eviction.attention import keep_mask_heads
+from kvjax.eviction.keep_rule import keep_mask_heads
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
 from kvjax.eviction.lkv_policies import LKV, LKVBudgetsKVpopMLSTM, lkv_budgets_policy, lkv_policy

@@ -10,7 +10,7 @@ from flax import nnx
 import kvjax
 from kvjax.losses import boundary_pairwise_loss, kl_distill, regression_loss
 from kvjax.train.config import EvictionSection, KVpopSection, TrainConfig
-from kvjax.train.distill_kvpop import Student, make_scorer, sparse_student_forward
+from kvjax.train.distill_kvpop import Student, sparse_student_forward, student_scorers
 from kvjax.train.optim import split_params
 
 
@@ -23,7 +23,7 @@ def _nonzero(tree):
 def test_gradient_separation(hf_dir, scorer):
     model = kvjax.load_hf(hf_dir("qwen3-gqa")[0])
     cfg = TrainConfig(steps=1, eviction=EvictionSection(sinks=2, window=6, topk=10, kvpop=KVpopSection(scorer=scorer)))
-    student = Student(model, make_scorer(cfg, model.config, 0))
+    student = Student(model, student_scorers(cfg, model.config, 0))
     graphdef, params = split_params(student)
     tokens = jnp.asarray(np.random.RandomState(0).randint(3, 97, (2, 64)))
     teacher_logits = kvjax.forward(model, tokens) + 0.5 * jax.random.normal(jax.random.key(0), (2, 64, 97))
@@ -54,7 +54,7 @@ def test_the_trained_attention_is_the_decoded_one(hf_dir, scorer):
 
     model = kvjax.load_hf(hf_dir("qwen3-gqa")[0])
     cfg = TrainConfig(steps=1, eviction=EvictionSection(sinks=2, window=6, topk=10, kvpop=KVpopSection(scorer=scorer)))
-    student = Student(model, make_scorer(cfg, model.config, 0))
+    student = Student(model, student_scorers(cfg, model.config, 0))
     tokens = np.random.RandomState(3).randint(3, 97, (2, 48))
     trained, _ = sparse_student_forward(student, jnp.asarray(tokens), cfg)
     policy = student_policy(student.scorers, cfg)
