@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="auto", choices=pk.BACKENDS)
     ap.add_argument("--interpret", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default="bench/kernel_speed.json")
+    ap.add_argument("--out", default="runs/kernel_speed.json")
     args = ap.parse_args(argv)
     kernel = pk.resolve_backend(args.backend)
     device = f"{jax.devices()[0].device_kind} ({jax.default_backend()})"

@@ -1,7 +1,7 @@
 """kvjax's and kvpress's rows together, problem by problem, on the same token ids.
 
     python experiments/kvpress_side_by_side.py --kvjax runs/longctx/smollm2-1k-compressed [more folders] \\
-        --kvpress runs/kvpress-compare [--out docs/kvpress-side-by-side.md]
+        --kvpress runs/kvpress-compare [--out runs/kvpress-side-by-side.md]
 
 ``--kvjax``: a ``python -m kvjax.longctx`` folder run with ``prefill: compressed`` (kvpress's
 setting); ``--kvpress``: a ``experiments/kvpress_compare.py`` folder over the problems that run

@@ -1,9 +1,9 @@
 """pyproject.toml's ranges, not only constraints.txt's pins: no script folder shadows an installed
 (or transformers-required) package, and the newest versions the ranges allow still resolve.
 
-``python bench/X.py`` puts ``bench/`` first on ``sys.path``: a ``bench/kernels.py`` there shadowed
+``python bench/X.py`` puts ``bench/`` first on ``sys.path``: a script named ``kernels.py`` there shadowed
 the ``kernels`` package transformers 5.25 imports (``ImportError: cannot import name
-'CUDAProperties' from 'kernels' (bench/kernels.py)``), unseen under constraints.txt's
+'CUDAProperties' from 'kernels' (the script of that name)``), unseen under constraints.txt's
 transformers 5.24. ``make test-latest`` runs the fast tests under the newest versions."""
 
 import importlib.metadata
