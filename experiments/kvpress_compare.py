@@ -61,7 +61,7 @@ How kvpress 0.5.5 picks the kept set (read from its source; matters when compari
 * knorm keeps the keys with the smallest L2 norm; keydiff the keys least cosine-similar to the mean
   (normalised) key of that head.
 
-Output: ``OUT/records.jsonl``, one record per (problem, press, compression), appended and flushed
+Output: ``OUT/records.jsonl.gz``, one record per (problem, press, compression), appended (a gzip member each) and flushed
 one at a time; a rerun skips the records already there (resumable; the settings must match). At
 the end a markdown table (rows press, columns compression, mean score +- standard error, N) is
 printed; ``OUT/table.md`` gets the same table over every record in the store.
@@ -78,6 +78,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonl_gz import compact as compact_store, gzip_member, stored_lines  # noqa: E402
 from kvpress_presses import PRESSES, SINKED, WINDOWED, drop_kvcompose_replay, make_press, question_start  # noqa: E402
 
 # the model hub is not reachable here, and nothing may be downloaded: local folders only
@@ -147,25 +148,21 @@ def key(problem_id: str, press: str, compression: float) -> tuple[str, str, floa
 
 
 def load_records(path: Path, settings: dict) -> dict:
-    """Records already in ``path`` by key; drops a torn last line (a crash mid-write)."""
+    """Records already in ``path`` (``records.jsonl.gz``; a legacy ``records.jsonl`` beside it is
+    converted) by key, the store compacted into one gzip member; a torn tail is dropped."""
+    legacy = path.with_name("records.jsonl")
+    source = legacy if legacy.exists() and not path.exists() else path
     done = {}
-    if not path.exists():
-        return done
-    raw = path.read_bytes()
-    if raw and not raw.endswith(b"\n"):
-        cut = raw.rfind(b"\n") + 1
-        log(f"kvpress_compare: dropping a torn last line of {path}")
-        with path.open("r+b") as f:
-            f.truncate(cut)
-        raw = raw[:cut]
-    for n, line in enumerate(raw.decode().splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, line in enumerate(stored_lines(source, log), 1):
         r = json.loads(line)
         clash = {k: (r.get(k), settings[k]) for k in SETTINGS if r.get(k) != settings[k]}
         if clash:
-            die(f"{path}:{n} was written with other settings {clash} (record, now); use another --out")
+            die(f"{source}:{n} was written with other settings {clash} (record, now); use another --out")
         done[key(r["id"], r["press"], r["compression"])] = r
+    if source.exists():
+        compact_store(path, done.values())
+        if source != path:
+            source.unlink()
     return done
 
 
@@ -353,7 +350,7 @@ def main(argv=None) -> None:
     settings = {"model": model_dir.resolve().name, "max_new": args.max_new, "window": args.window,
                 "kernel": args.kernel, "sinks": args.sinks}
     args.out.mkdir(parents=True, exist_ok=True)
-    rec_path = args.out / "records.jsonl"
+    rec_path = args.out / "records.jsonl.gz"
     done = load_records(rec_path, settings)
 
     jobs = [(p, press, 0.0 if press == "none" else c)
@@ -368,7 +365,7 @@ def main(argv=None) -> None:
         versions = {p: md.version(p) for p in ("kvpress", "transformers", "torch")}
         runner = Runner(model_dir, args.threads)
         t_all = time.perf_counter()
-        with rec_path.open("a") as f:
+        with rec_path.open("ab") as f:                     # one gzip member per record
             for n, (p, press_name, c) in enumerate(todo, 1):
                 press = make_press(press_name, c, args.window, args.kernel, args.sinks)
                 res = runner.run(p, press, args.max_new)
@@ -377,13 +374,14 @@ def main(argv=None) -> None:
                        "compression": c, "score": s, "metric": p["metric"], "answers": p["answers"],
                        "context_tokens": len(p["context_ids"]), "question_tokens": len(p["question_ids"]),
                        **res, **settings, "versions": versions}
-                f.write(json.dumps(rec) + "\n")
+                f.write(gzip_member(json.dumps(rec) + "\n"))
                 f.flush()
                 os.fsync(f.fileno())
                 done[key(p["id"], press_name, c)] = rec
                 log(f"[{n}/{len(todo)}] {p['id']} {press_name} {c:g}: score={s:.2f} kept={res['kv_kept_frac']:.3f} "
                     f"{res['seconds']:.1f}s out={res['output'][:60]!r}")
         log(f"kvpress_compare: ran {len(todo)} in {time.perf_counter() - t_all:.1f}s")
+        compact_store(rec_path, done.values())
 
     wanted = {key(j[0]["id"], j[1], j[2]) for j in jobs}
     print(table([r for k, r in done.items() if k in wanted], presses, args.compressions))

@@ -21,15 +21,21 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonl_gz import read_jsonl  # noqa: E402
+
 SAME_METHOD = {"dense": "none", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",
                "knorm": "knorm", "pyramidkv": "pyramidkv", "adakv": "adakv_snapkv", "keydiff": "keydiff",
                "kvzip": "kvzip"}
 
 
 def _read(path: Path) -> list[dict]:
+    """kvpress_compare's records (``records.jsonl.gz``, or a legacy ``records.jsonl`` beside it)."""
+    if not path.is_file() and path.with_suffix("").is_file():
+        path = path.with_suffix("")
     if not path.is_file():
         sys.exit(f"kvpress_side_by_side: {path} does not exist")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(path)
 
 
 def _read_store(folder: Path) -> list[dict]:
@@ -122,7 +128,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     ours = [r for folder in args.kvjax for r in _read_store(folder)]
-    theirs = _read(args.kvpress / "records.jsonl")
+    theirs = _read(args.kvpress / "records.jsonl.gz")
     md = (side_by_side(ours, theirs) + "\n\n**Every kvjax policy and every kvpress press**\n\n"
           + every_row(ours, theirs))
     if args.out:

@@ -33,6 +33,9 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from jsonl_gz import read_jsonl  # noqa: E402
+
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +109,7 @@ def compare(args) -> None:
 
     probs = [json.loads(x) for x in (args.out / "problems.jsonl").read_text().splitlines()]
     theirs = {}
-    for r in map(json.loads, (args.out / "kvpress" / "records.jsonl").read_text().splitlines()):
+    for r in read_jsonl(args.out / "kvpress" / "records.jsonl.gz"):
         theirs[(r["press"], round(r["compression"], 4), r["id"])] = [TOKEN_TO_ID[w] for w in r["output"].split()]
     model = kvjax.load_hf(args.teacher)
     rows = ["| method | compression | kvjax setting | problems | kvjax answers | kvpress answers | "

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.eviction.attention import keep_mask_heads
+from kvjax.eviction.keep_rule import keep_mask_heads
 from kvjax.eviction.config import EvictionConfig
 from kvjax.eviction.forced import sparse_logits, stepwise_logits
 from kvjax.eviction.policies import REGISTRY, make_policy

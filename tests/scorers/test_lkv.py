@@ -211,7 +211,8 @@ def test_property_budgets_respect_total_and_k_max(shape, keep, length, k_max, sc
     heads = randomised_heads(num_layers, kv_heads, seed, scale)
     r = np.asarray(heads.ratios(keep, temperature=0.7))
     assert r.shape == shape and r.min() >= 0 and r.max() <= 1
-    assert_sums_to(r.ravel(), keep * num_layers * kv_heads)
+    # float32 soft top-k at logit scale 50: the total is exact to ~1e-5 of a head (seen: 1.2e-5 at 6 heads)
+    assert_sums_to(r.ravel(), keep * num_layers * kv_heads, atol=1e-4)
     b = np.asarray(heads.budgets(keep, length, k_max, temperature=0.7))
     assert b.dtype == np.int32 and b.shape == shape
     assert b.min() >= 0 and b.max() <= (length if k_max is None else min(k_max, length))

@@ -1,0 +1,52 @@
+"""A gzip-compressed JSONL store for the experiments' own records (``kvpress_compare.py`` runs in
+``.venv-kvpress`` and imports no kvjax): one gzip member per append, compacted to one member on
+open and at the end of a run, a torn tail dropped on read. Standard library only."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from pathlib import Path
+
+
+def gzip_member(text: str) -> bytes:
+    """``text`` as one gzip member, no time or name in its header (the same bytes every time)."""
+    return gzip.compress(text.encode(), compresslevel=6, mtime=0)
+
+
+def stored_lines(path: Path, say=print) -> list[str]:
+    """The complete non-empty lines of a ``.jsonl.gz`` store (gzip members) or of a plain
+    ``.jsonl``; a torn tail (a crash mid-append) is dropped, with a message through ``say``."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    if path.suffix != ".gz":
+        text = path.read_text()
+    else:
+        parts = []
+        try:
+            with gzip.open(path, "rt") as f:
+                for line in f:
+                    parts.append(line)
+        except (EOFError, OSError, zlib.error):
+            say(f"dropping a torn tail of {path}")
+        text = "".join(parts)
+    lines = text.split("\n")
+    if lines[-1]:
+        say(f"dropping a torn last line of {path}")
+    return [x for x in lines[:-1] if x.strip()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a store (see :func:`stored_lines`)."""
+    return [json.loads(line) for line in stored_lines(path, say=lambda m: None)]
+
+
+def compact(path: Path, records) -> None:
+    """``records`` (dicts) written to ``path`` as one gzip member, atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(gzip_member("".join(json.dumps(r) + "\n" for r in records)))
+    os.replace(tmp, path)
