@@ -132,12 +132,15 @@ class KVpopMLSTM(_Learned):
         return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None, None])[:, :, 0], state
 
 
-def from_scorer(scorer, config: EvictionConfig, **kw) -> _Learned:
-    """The KVpop policy for a trained ``MLPScorer`` or ``MLSTMScorer``."""
+def from_scorer(scorer, config: EvictionConfig, chunk: int | None = None) -> _Learned:
+    """The KVpop policy for a trained ``MLPScorer`` or ``MLSTMScorer`` (the one place that maps a
+    scorer's type to its policy); ``chunk``: the mLSTM's chunkwise prefill chunk (the MLP reads
+    each token alone and has none)."""
     from kvjax.scorers import MLPScorer, MLSTMScorer
 
     graphdef, state = nnx.split(scorer)
     cls = KVpopMLP if isinstance(scorer, MLPScorer) else KVpopMLSTM if isinstance(scorer, MLSTMScorer) else None
     if cls is None:
         raise TypeError(f"from_scorer: expected an MLPScorer or MLSTMScorer, got {type(scorer).__name__}")
+    kw = {"chunk": chunk} if chunk is not None and cls is KVpopMLSTM else {}
     return cls(config, params=nnx.to_pure_dict(state), scorer_def=graphdef, **kw)

@@ -56,7 +56,7 @@ def student_policy(scorers, cfg: TrainConfig):
     its kernel): the policy a ``distill_kvpop`` step trains through and :mod:`kvjax.export` ships."""
     ev = cfg.eviction
     conf = EvictionConfig(ev.sinks, ev.window, ev.topk, kernel=ev.kernel, kernel_interpret=ev.kernel_interpret)
-    return from_scorer(scorers, conf, **({"chunk": ev.kvpop.mlstm_chunk} if ev.kvpop.scorer == "mlstm" else {}))
+    return from_scorer(scorers, conf, chunk=ev.kvpop.mlstm_chunk)
 
 
 def sparse_student_forward(student: Student, tokens_BS, cfg: TrainConfig):
