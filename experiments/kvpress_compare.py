@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -78,7 +79,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jsonl_gz import compact as compact_store, gzip_member, stored_lines  # noqa: E402
+_spec = importlib.util.spec_from_file_location("jsonl_gz", Path(__file__).parents[1] / "kvjax/evaluation/jsonl_gz.py")
+_spec.loader.exec_module(_gz := importlib.util.module_from_spec(_spec))   # the stores' format; imports no kvjax
+compact_store, gzip_member, stored_lines = _gz.compact, _gz.gzip_member, _gz.stored_lines
 from kvpress_presses import PRESSES, SINKED, WINDOWED, drop_kvcompose_replay, make_press, question_start  # noqa: E402
 
 # the model hub is not reachable here, and nothing may be downloaded: local folders only

@@ -21,8 +21,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jsonl_gz import read_jsonl  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvjax.evaluation.jsonl_gz import read_jsonl  # noqa: E402  (standard library only)
 
 SAME_METHOD = {"dense": "none", "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova",
                "knorm": "knorm", "pyramidkv": "pyramidkv", "adakv": "adakv_snapkv", "keydiff": "keydiff",

@@ -33,8 +33,8 @@ import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from jsonl_gz import read_jsonl  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvjax.evaluation.jsonl_gz import read_jsonl  # noqa: E402  (standard library only)
 
 import numpy as np
 

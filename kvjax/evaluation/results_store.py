@@ -21,42 +21,15 @@ too) and marks DST's ``table.md`` stale, printing the ``--report`` command that 
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
-import zlib
 from pathlib import Path
 
 from kvjax.dir_lock import DirLock
+from kvjax.evaluation.jsonl_gz import gzip_member, stored_lines
 
 STORE = "problems.jsonl.gz"      # the records of a results folder
 LEGACY_STORE = "problems.jsonl"  # the same, uncompressed (folders written before)
-
-
-def _gzip_bytes(text: str) -> bytes:
-    """``text`` as one gzip member with no name or time in its header (the same bytes every time)."""
-    return gzip.compress(text.encode(), compresslevel=6, mtime=0)
-
-
-def _read_lines(path: Path) -> list[str]:
-    """The complete lines of a store file (gzip members, or plain text); a torn tail (a crash
-    mid-append) ends the list."""
-    if not path.exists():
-        return []
-    if path.suffix != ".gz":
-        return path.read_text().splitlines()
-    lines, chunks = [], []
-    try:
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                chunks.append(line)
-    except (EOFError, OSError, zlib.error):
-        pass                         # a truncated or damaged last member: what came before it stands
-    for line in chunks:
-        if not line.endswith("\n"):
-            break                    # a line cut in the middle
-        lines.append(line[:-1])
-    return lines
 
 
 def store_file(folder) -> Path:
@@ -69,7 +42,7 @@ def store_file(folder) -> Path:
 def read_records(folder) -> list[dict]:
     """Every record of a results folder, in file order (a torn tail dropped)."""
     out = []
-    for line in _read_lines(store_file(folder)):
+    for line in stored_lines(store_file(folder), say=lambda m: None):
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -161,7 +134,7 @@ class ResultsStore:
         self.discarded: dict[str, int] = {}   # policy -> records dropped because its files changed
         if source.exists():
             good: dict[str, str] = {}      # key -> its last line: a key written twice is kept once
-            for line in _read_lines(source):
+            for line in stored_lines(source, say=lambda m: None):
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError:
@@ -181,7 +154,7 @@ class ResultsStore:
     def _rewrite(self) -> None:
         """The store as one gzip member, replaced atomically."""
         tmp = self.dir / f".{STORE}.tmp"
-        tmp.write_bytes(_gzip_bytes("".join(g + "\n" for g in self._lines.values())))
+        tmp.write_bytes(gzip_member("".join(g + "\n" for g in self._lines.values())))
         os.replace(tmp, self.path)
 
     def close(self) -> None:
@@ -204,7 +177,7 @@ class ResultsStore:
             return
         lines = [json.dumps(rec) for rec in records]
         with self.path.open("ab") as f:                  # one gzip member per batch
-            f.write(_gzip_bytes("".join(line + "\n" for line in lines)))
+            f.write(gzip_member("".join(line + "\n" for line in lines)))
             f.flush()
             os.fsync(f.fileno())
         self._appended = True

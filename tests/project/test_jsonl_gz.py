@@ -1,4 +1,4 @@
-"""``experiments/jsonl_gz.py``, the kvpress comparison's compressed store: appended members read
+"""``kvjax/evaluation/jsonl_gz.py``, the result stores' format, loaded by path as kvpress's venv loads it: appended members read
 back in order, a torn tail dropped, compaction to one member with the same bytes every time."""
 
 import gzip
@@ -8,7 +8,7 @@ import os
 
 from paths import ROOT
 
-spec = importlib.util.spec_from_file_location("jsonl_gz", os.path.join(ROOT, "experiments", "jsonl_gz.py"))
+spec = importlib.util.spec_from_file_location("jsonl_gz", os.path.join(ROOT, "kvjax", "evaluation", "jsonl_gz.py"))
 store = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(store)
 

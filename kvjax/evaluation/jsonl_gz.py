@@ -1,6 +1,8 @@
-"""A gzip-compressed JSONL store for the experiments' own records (``kvpress_compare.py`` runs in
-``.venv-kvpress`` and imports no kvjax): one gzip member per append, compacted to one member on
-open and at the end of a run, a torn tail dropped on read. Standard library only."""
+"""Gzip-compressed JSONL, the format of every result store: one gzip member per append, compacted
+to one member (no time or name in its header: the same bytes every time), a torn tail dropped on
+read. :class:`kvjax.evaluation.results_store.ResultsStore` keeps its records this way, and so does
+``experiments/kvpress_compare.py``, which runs in kvpress's venv and loads this file by path:
+standard library only, no kvjax import."""
 
 from __future__ import annotations
 
