@@ -356,8 +356,8 @@ def main(argv=None) -> None:
     rec_path = args.out / "records.jsonl.gz"
     done = load_records(rec_path, settings)
 
-    jobs = [(p, press, 0.0 if press == "none" else c)
-            for p in problems for press in presses for c in (args.compressions if press != "none" else [0.0])]
+    jobs = [(p, press, 0.0 if press == "none" else c)   # press by press: a long sweep completes whole rows
+            for press in presses for p in problems for c in (args.compressions if press != "none" else [0.0])]
     todo = [j for j in jobs if key(j[0]["id"], j[1], j[2]) not in done]
     log(f"kvpress_compare: {len(jobs)} records wanted, {len(jobs) - len(todo)} already in {rec_path}, "
         f"{len(todo)} to run")
