@@ -163,7 +163,7 @@ def load_records(path: Path, settings: dict) -> dict:
             die(f"{source}:{n} was written with other settings {clash} (record, now); use another --out")
         done[key(r["id"], r["press"], r["compression"])] = r
     if source.exists():
-        compact_store(path, done.values())
+        compact_store(path, map(json.dumps, done.values()))
         if source != path:
             source.unlink()
     return done
@@ -384,7 +384,7 @@ def main(argv=None) -> None:
                 log(f"[{n}/{len(todo)}] {p['id']} {press_name} {c:g}: score={s:.2f} kept={res['kv_kept_frac']:.3f} "
                     f"{res['seconds']:.1f}s out={res['output'][:60]!r}")
         log(f"kvpress_compare: ran {len(todo)} in {time.perf_counter() - t_all:.1f}s")
-        compact_store(rec_path, done.values())
+        compact_store(rec_path, map(json.dumps, done.values()))
 
     wanted = {key(j[0]["id"], j[1], j[2]) for j in jobs}
     print(table([r for k, r in done.items() if k in wanted], presses, args.compressions))

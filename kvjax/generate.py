@@ -114,7 +114,9 @@ def generation_stats(model, policy, batch: int, prompt_length: int, new_tokens: 
     cfg = model.config
     per_slot = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(model.dtype).itemsize
     n = prompt_length + new_tokens
-    if isinstance(policy, DenseKV) or not hasattr(policy, "effective"):   # dense, or compressed in a dense cache
+    from kvjax.eviction.prompt_compressed import PromptCompressed
+
+    if isinstance(policy, (DenseKV, PromptCompressed)):      # compressed: evicted entries masked in a dense cache
         slots, kv = n, per_slot * n
     else:
         ev = policy.effective()

@@ -130,42 +130,31 @@ def train_decisions(model, batch_at, cfg: DMSConfig, *, progress: bool = True) -
     ``metrics.jsonl`` under ``cfg.work_dir``, resumed from there; returns ``{"w", "b",
     "history": [[loss, kl, rate], ...]}``."""
     from kvjax.config import config_hash
-    from kvjax.train.checkpoint import Checkpointer
-    from kvjax.train.metrics_log import MetricsLog
-    from kvjax.train.step_loop import StepLoop, logged_history, plain, resume
+    from kvjax.train.step_loop import logged_history, train_task
 
     decisions = init_decisions(model.config, cfg.init_bias, cfg.seed)
     opt = optax.adam(cfg.lr)
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(work / "checkpoints", keep=2, async_save=False)
-    meta = plain({"task": "dms", "model": config_hash(model.config),
-                  "config": {k: v for k, v in asdict(cfg).items()
-                             if k not in ("work_dir", "out_dir", "save_every", "model_dir", "valid_traces")}})
-    try:
-        state, start = resume(ckpt, {"decisions": decisions, "opt": opt.init(decisions)}, meta)
-        graphdef, params = nnx.split(model)
-        ramp_steps = max(1, int(cfg.ramp * cfg.steps))
+    graphdef, params = nnx.split(model)
+    ramp_steps = max(1, int(cfg.ramp * cfg.steps))
 
-        def step_fn(st, step):
-            tokens, mask = batch_at(step)
-            target = cfg.target * min(1.0, (step + 1) / ramp_steps)
-            decisions, opt_state, loss, kl, rate = _step(
-                graphdef, opt, cfg, params, st["decisions"], st["opt"], jnp.asarray(tokens),
-                jnp.asarray(mask, jnp.float32), jax.random.fold_in(jax.random.key(cfg.seed), step),
-                jnp.float32(target))
-            return {"decisions": decisions, "opt": opt_state}, {"loss": loss, "kl": kl, "rate": rate,
-                                                                "target": jnp.float32(target)}
+    def step_fn(st, step):
+        tokens, mask = batch_at(step)
+        target = cfg.target * min(1.0, (step + 1) / ramp_steps)
+        decisions, opt_state, loss, kl, rate = _step(
+            graphdef, opt, cfg, params, st["decisions"], st["opt"], jnp.asarray(tokens),
+            jnp.asarray(mask, jnp.float32), jax.random.fold_in(jax.random.key(cfg.seed), step), jnp.float32(target))
+        return {"decisions": decisions, "opt": opt_state}, {"loss": loss, "kl": kl, "rate": rate,
+                                                            "target": jnp.float32(target)}
 
-        loop = StepLoop(cfg.steps, ckpt, meta, "dms decisions", checkpoint_every=cfg.save_every,
-                        log=MetricsLog(work, tensorboard=False), progress=progress, postfix=("kl", "rate", "target"))
-        state, result = loop.run(state, step_fn, start)
-        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
-            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
-    finally:
-        ckpt.close()
+    meta = {"task": "dms", "model": config_hash(model.config),
+            "config": {k: v for k, v in asdict(cfg).items()
+                       if k not in ("work_dir", "out_dir", "save_every", "model_dir", "valid_traces")}}
+    state, _, _ = train_task(cfg.work_dir, {"decisions": decisions, "opt": opt.init(decisions)}, step_fn, meta,
+                             steps=cfg.steps, desc="dms decisions", checkpoint_every=cfg.save_every,
+                             progress=progress, postfix=("kl", "rate", "target"))
     d = state["decisions"]
-    return {"w": np.asarray(d["w"]), "b": np.asarray(d["b"]), "history": logged_history(work, ("loss", "kl", "rate"))}
+    return {"w": np.asarray(d["w"]), "b": np.asarray(d["b"]),
+            "history": logged_history(cfg.work_dir, ("loss", "kl", "rate"))}
 
 
 def export_decisions(w, b, out_dir, *, sinks: int, window: int, base_config=None, base_model_name=None,

@@ -112,38 +112,28 @@ def train_gates(model, batch_at, cfg: DuoConfig, *, progress: bool = True) -> di
     ``metrics.jsonl`` under ``cfg.work_dir``, resumed from there (also into more ``steps``: the
     learning rate is constant); returns ``{"gates": [L, K], "history": [[loss, distill], ...]}``."""
     from kvjax.config import config_hash
-    from kvjax.train.checkpoint import Checkpointer
-    from kvjax.train.metrics_log import MetricsLog
-    from kvjax.train.step_loop import StepLoop, logged_history, plain, resume
+    from kvjax.train.step_loop import logged_history, train_task
 
     c = model.config
     gates = jnp.ones((c.num_layers, c.num_kv_heads), jnp.float32)
     opt = optax.adam(cfg.lr)
-    work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt = Checkpointer(work / "checkpoints", keep=2, async_save=False)
-    meta = plain({"task": "duo", "model": config_hash(c),
-                  "config": {k: v for k, v in asdict(cfg).items()
-                             if k not in ("steps", "work_dir", "out_dir", "save_every", "model_dir")}})
-    try:
-        state, start = resume(ckpt, {"gates": gates, "opt": opt.init(gates)}, meta)
-        graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(model)
 
-        def step_fn(st, step):
-            tokens, mask = batch_at(step)
-            gates, opt_state, loss, distill = _step(graphdef, opt, params, st["gates"], st["opt"], jnp.asarray(tokens),
-                                                    jnp.asarray(mask, jnp.float32), reg=cfg.reg, sinks=cfg.sinks,
-                                                    window=cfg.window)
-            return {"gates": gates, "opt": opt_state}, {"loss": loss, "distill": distill, "gates": gates.mean()}
+    def step_fn(st, step):
+        tokens, mask = batch_at(step)
+        gates, opt_state, loss, distill = _step(graphdef, opt, params, st["gates"], st["opt"], jnp.asarray(tokens),
+                                                jnp.asarray(mask, jnp.float32), reg=cfg.reg, sinks=cfg.sinks,
+                                                window=cfg.window)
+        return {"gates": gates, "opt": opt_state}, {"loss": loss, "distill": distill, "gates": gates.mean()}
 
-        loop = StepLoop(cfg.steps, ckpt, meta, "duo gates", checkpoint_every=cfg.save_every,
-                        log=MetricsLog(work, tensorboard=False), progress=progress, postfix=("distill", "gates"))
-        state, result = loop.run(state, step_fn, start)
-        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
-            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
-    finally:
-        ckpt.close()
-    return {"gates": np.asarray(state["gates"]), "history": logged_history(work, ("loss", "distill"))[:cfg.steps]}
+    meta = {"task": "duo", "model": config_hash(c),
+            "config": {k: v for k, v in asdict(cfg).items()
+                       if k not in ("steps", "work_dir", "out_dir", "save_every", "model_dir")}}
+    state, _, _ = train_task(cfg.work_dir, {"gates": gates, "opt": opt.init(gates)}, step_fn, meta, steps=cfg.steps,
+                             desc="duo gates", checkpoint_every=cfg.save_every, progress=progress,
+                             postfix=("distill", "gates"))
+    return {"gates": np.asarray(state["gates"]),
+            "history": logged_history(cfg.work_dir, ("loss", "distill"))[:cfg.steps]}
 
 
 def export_gates(gates_LK, out_dir, *, sinks: int, window: int, base_config=None, base_model_name=None,

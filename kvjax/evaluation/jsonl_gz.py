@@ -42,13 +42,20 @@ def stored_lines(path: Path, say=print) -> list[str]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Every record of a store (see :func:`stored_lines`)."""
-    return [json.loads(line) for line in stored_lines(path, say=lambda m: None)]
+    """Every record of a store, in file order, up to the first line that is not JSON (see
+    :func:`stored_lines` for the torn tail)."""
+    out = []
+    for line in stored_lines(path, say=lambda m: None):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
 
 
-def compact(path: Path, records) -> None:
-    """``records`` (dicts) written to ``path`` as one gzip member, atomically."""
+def compact(path: Path, lines) -> None:
+    """``lines`` (JSON text, one record each) written to ``path`` as one gzip member, atomically."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(gzip_member("".join(json.dumps(r) + "\n" for r in records)))
+    tmp.write_bytes(gzip_member("".join(line + "\n" for line in lines)))
     os.replace(tmp, path)

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from kvjax.dir_lock import DirLock
-from kvjax.evaluation.jsonl_gz import gzip_member, stored_lines
+from kvjax.evaluation.jsonl_gz import compact, gzip_member, read_jsonl, stored_lines
 
 STORE = "problems.jsonl.gz"      # the records of a results folder
 LEGACY_STORE = "problems.jsonl"  # the same, uncompressed (folders written before)
@@ -41,13 +41,7 @@ def store_file(folder) -> Path:
 
 def read_records(folder) -> list[dict]:
     """Every record of a results folder, in file order (a torn tail dropped)."""
-    out = []
-    for line in stored_lines(store_file(folder), say=lambda m: None):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+    return read_jsonl(store_file(folder))
 
 
 def load_learned(folders: dict, model) -> tuple[dict, dict]:
@@ -145,24 +139,18 @@ class ResultsStore:
                 self.records[rec["key"]] = rec
                 good[rec["key"]] = line
             self._lines = good
-            self._rewrite()
+            compact(self.path, good.values())
             if source != self.path:
                 source.unlink()
         else:
             self._lines = {}
-
-    def _rewrite(self) -> None:
-        """The store as one gzip member, replaced atomically."""
-        tmp = self.dir / f".{STORE}.tmp"
-        tmp.write_bytes(gzip_member("".join(g + "\n" for g in self._lines.values())))
-        os.replace(tmp, self.path)
 
     def close(self) -> None:
         """Compact the store into one gzip member and release the folder for another evaluation
         (the lock is also released when the process exits)."""
         try:
             if self._appended:
-                self._rewrite()
+                compact(self.path, self._lines.values())
         finally:
             self._lock.release()
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,14 +166,12 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
     from kvjax.eviction.config import EvictionConfig
     from kvjax.eviction.learned import from_scorer
     from kvjax.export import export_scorers
-    from kvjax.train.checkpoint import Checkpointer, write_json_atomic
-    from kvjax.train.metrics_log import MetricsLog
-    from kvjax.train.step_loop import StepLoop, plain, resume
+    from kvjax.train.checkpoint import write_json_atomic
+    from kvjax.train.step_loop import train_task
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lock = DirLock(out, "scorer fit")
-    ckpt = None
     try:
         train = FeatureSplit(Path(cfg.features_dir) / "train")
         valid_dir = Path(cfg.features_dir) / "valid"
@@ -188,12 +185,6 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         state = {"params": params, "opt": opt.init(params)}
         meta = {"config": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out_dir",)},
                 "features": train.index["traces_sha256"], "window": train.window}
-        ckpt = Checkpointer(out / "checkpoints", keep=2, async_save=False)
-        meta = plain(meta)
-        state, start = resume(ckpt, state, meta, say=say)
-        if start:
-            say(f"resuming the scorer fit at step {start} from {out / 'checkpoints'}")
-
         @functools.partial(jax.jit, donate_argnums=0)
         def step(st, x, tgt, n):
             loss, g = jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p), x, tgt, n, train.window, cfg.chunk,
@@ -211,12 +202,8 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
             return st, {"loss": loss}
 
         t0 = time.time()
-        loop = StepLoop(cfg.steps, ckpt, meta, f"fit {cfg.scorer}/{cfg.target}",
-                        checkpoint_every=cfg.checkpoint_every, log=MetricsLog(out, tensorboard=False),
-                        progress=progress)
-        state, result = loop.run(state, step_fn, start)
-        if "stopped_at" in result:     # a signal: the checkpoint is saved, nothing is exported half-trained
-            raise KeyboardInterrupt(f"stopped at step {result['stopped_at']} ({result['signal']}); rerun to resume")
+        state, result, start = train_task(out, state, step_fn, meta, steps=cfg.steps, desc=f"fit {cfg.scorer}/{cfg.target}",
+                                          checkpoint_every=cfg.checkpoint_every, progress=progress, say=say)
         losses = [result["last_metrics"]["loss"]] if "last_metrics" in result else []
         fit_s = time.time() - t0
         scorer = nnx.merge(graphdef, state["params"])
@@ -234,6 +221,4 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         write_json_atomic(out / "summary.json", summary)
         return summary
     finally:
-        if ckpt is not None:
-            ckpt.close()
         lock.release()

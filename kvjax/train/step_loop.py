@@ -131,6 +131,30 @@ class StepLoop:
         return state, summary
 
 
+def train_task(work_dir, state, step_fn, meta: dict, *, steps: int, desc: str, checkpoint_every: int,
+               progress: bool = True, postfix: tuple[str, ...] = ("loss",), say=None) -> tuple[Any, dict, int]:
+    """A small one-device task on the loop, start to end: checkpoints (synchronous, the last 2)
+    under ``work_dir/checkpoints`` and ``work_dir/metrics.jsonl``, resumed from there; a signal
+    saves a checkpoint and raises ``KeyboardInterrupt`` (nothing after it runs on half-trained
+    state). Returns ``(state, summary, start step)``."""
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt = Checkpointer(work / "checkpoints", keep=2, async_save=False)
+    meta = plain(meta)
+    try:
+        state, start = resume(ckpt, state, meta, say=say)
+        if start and say is not None:
+            say(f"resuming {desc} at step {start} from {ckpt.dir}")
+        loop = StepLoop(steps, ckpt, meta, desc, checkpoint_every=checkpoint_every,
+                        log=MetricsLog(work, tensorboard=False), progress=progress, postfix=postfix)
+        state, summary = loop.run(state, step_fn, start)
+    finally:
+        ckpt.close()
+    if "stopped_at" in summary:
+        raise KeyboardInterrupt(f"stopped at step {summary['stopped_at']} ({summary['signal']}); rerun to resume")
+    return state, summary, start
+
+
 def plain(meta: dict) -> dict:
     """``meta`` as it reads back from a checkpoint (JSON: tuples become lists), so that a resume
     compares like with like."""

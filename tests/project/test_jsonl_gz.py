@@ -25,10 +25,10 @@ def test_appended_members_read_back_and_a_torn_tail_is_dropped(tmp_path):
         member = store.gzip_member(json.dumps({"id": 9, "v": "y" * 40}) + "\n")
         f.write(member[: len(member) // 2])                                   # a crash mid-append
     assert store.stored_lines(path, said.append) == [json.dumps(r) for r in recs] and said
-    store.compact(path, recs)
+    store.compact(path, map(json.dumps, recs))
     data = path.read_bytes()
     assert data.count(b"\x1f\x8b\x08") == 1 and gzip.decompress(data).decode().count("\n") == 5
-    store.compact(path, store.read_jsonl(path))
+    store.compact(path, map(json.dumps, store.read_jsonl(path)))
     assert path.read_bytes() == data
     plain = tmp_path / "records.jsonl"
     plain.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"id": 7')
