@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
-.PHONY: install test test-fast test-latest demo teacher teacher-long quality quality-long real-model traces features scorers lkv adapted fidelity retention longctx \
+.PHONY: install test test-fast test-latest demo long-generation teacher teacher-long quality quality-long real-model traces features scorers lkv adapted fidelity retention longctx \
 	kvpress-compare
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -108,6 +108,14 @@ kvpress-compare: $(KVPRESS_VENV)/.installed real-model
 		--window 32 --kernel 7 --sinks 4 --out $(KVPRESS_OUT)
 	$(PY) experiments/kvpress_side_by_side.py --kvjax $(KVJAX_STORE) --kvpress $(KVPRESS_OUT) \
 		--out $(KVPRESS_OUT)/side_by_side.md
+
+# The seed's Figure 4 on SmolLM2: generate 2k / 4k / 8k tokens at batch 1 and 8 with kvjax dense,
+# kvjax bounded at 75% / 88% (the shipped KVpop MLP scorers, StreamingLLM), transformers dense and
+# kvpress's DecodingPress (its own venv); one process per run, resumable, into results/long-generation
+# (table.md, summary.json, long_generation.png). Hours on 2 cores (docs/long-generation.md gives them).
+LONGGEN_SET ?=
+long-generation: $(KVPRESS_VENV)/.installed real-model
+	$(PY) -m kvjax.evaluation.long_generation --out results/long-generation $(LONGGEN_SET)
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

@@ -1,6 +1,6 @@
 """One prepared check of kvjax on an accelerator: correctness, kernel speed, decode, a train step.
 
-    python bench/device_check.py --out runs/device-check            # on a GPU/TPU: ~8 minutes
+    python bench/device_check.py --out runs/device-check            # on a GPU/TPU: ~11 minutes
     python bench/device_check.py --smoke --out /tmp/dc               # tiny sizes, CPU, interpret mode, < 3 min
 
 Runs from a copy of the source tree (no install: the repository root goes on ``sys.path``)
@@ -17,6 +17,8 @@ section runs), so one broken kernel does not cost the other figures:
 - ``decode``: Qwen3-8B shapes, random bf16 weights, batch 1: dense vs KVpop's bounded cache
   (budget 4096 per KV head) at 8k, 32k and 131k context, ms/token and peak device memory
   (the KVpop seed's Figure 4);
+- ``longgen``: 2,048 tokens generated from a short prompt, batch 1 and 8, dense vs bounded at 75%
+  (``kvjax.evaluation.long_generation``): Qwen3-8B shapes (random bf16), SmolLM2 if on the machine;
 - ``distill``: one ``distill_kvpop`` step at Qwen3-0.6B shapes, seq 4096, with the Pallas
   kernels and with the XLA reference path: step time and peak device memory.
 
@@ -39,8 +41,8 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-SECTIONS = ("env", "correctness", "kernels", "decode", "distill")
-TIME_BOX = {"env": 60, "correctness": 90, "kernels": 120, "decode": 150, "distill": 90}   # seconds; ~8 min
+SECTIONS = ("env", "correctness", "kernels", "decode", "longgen", "distill")
+TIME_BOX = {"env": 60, "correctness": 90, "kernels": 120, "decode": 150, "longgen": 150, "distill": 90}  # s; ~11 min
 SMOKE_TIME_BOX = 150
 
 
@@ -198,6 +200,49 @@ def section_decode(smoke: bool) -> dict:
     return {"model": "tiny" if smoke else "qwen3-8b (random bf16 weights)", "budget": budget, "rows": rows}
 
 
+def section_longgen(smoke: bool) -> dict:
+    """The seed's Figure 4: Qwen3-8B shapes (random bf16), and SmolLM2-135M's real weights when
+    ``make real-model``'s folder is on the machine (a device has no network to fetch it)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import kvjax
+    from kvjax.evaluation.decode_bench import BENCH_MODEL, _kvjax_policy
+    from kvjax.evaluation.long_generation import budget, kvjax_policy, rates, time_generation
+    from kvjax.real_model import default_model_dir
+
+    length, seg, prompt = (192, 64, list(range(3, 19))) if smoke else (2048, 256, list(range(3, 51)))
+    models = [("tiny", kvjax.ModelConfig.from_hf_config({**BENCH_MODEL, "num_hidden_layers": 2, "hidden_size": 128,
+                                                          "intermediate_size": 256, "vocab_size": 512}))] if smoke \
+        else [("qwen3-8b (random bf16)", kvjax.preset("qwen3-8b").replace(max_position_embeddings=1 << 18))]
+    folder = default_model_dir()
+    if not smoke and (Path(folder) / "config.json").exists():
+        models.append(("smollm2-135m (real weights)", str(folder)))
+    rows = []
+    for name, src in models:
+        model = kvjax.load_hf(src) if (real := isinstance(src, str)) else kvjax.Decoder(
+            src, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+        keep = budget(len(prompt), length, 0.75)
+        for impl in ("kvjax-dense", "kvjax-kvpop", "kvjax-streaming_llm"):
+            for batch in (1, 8):
+                row = {"model": name, "impl": impl, "batch": batch, "length": length, "keep": keep}
+                try:
+                    policy = kvjax_policy(impl, keep) if real else _kvjax_policy(impl[6:], model.config, keep)
+                    r = time_generation(model, policy, prompt, batch, length, seg)
+                    row.update(rates({"batch": batch, "steps": [seg * i for i in range(len(r["times_s"]))],
+                                      "times_s": r["times_s"]}), compile_s=r["compile_s"], kv_bytes=r["cache_bytes"],
+                               peak_device_bytes=_peak_bytes())
+                except Exception as e:  # noqa: BLE001 - an OOM is a result
+                    row["error"] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        del model
+        jax.clear_caches()
+    return {"generated": length, "compression": 0.75, "rows": rows, "smollm2": "measured" if len(models) > 1
+            else "skipped (smoke)" if smoke else f"skipped: no {folder} on this machine"}
+
+
 def section_distill(smoke: bool) -> dict:
     import jax
     import jax.numpy as jnp
@@ -251,7 +296,7 @@ def section_distill(smoke: bool) -> dict:
 
 
 RUNNERS = {"env": section_env, "correctness": section_correctness, "kernels": section_kernels,
-           "decode": section_decode, "distill": section_distill}
+           "decode": section_decode, "longgen": section_longgen, "distill": section_distill}
 
 
 # ---- the driver -----------------------------------------------------------------------------
@@ -294,6 +339,13 @@ def markdown(report: dict) -> str:
             lines += ["| cache | context | ms/token | peak device GiB |", "|---|---|---|---|"]
             lines += [f"| {r['impl']} | {r['length']} | {r.get('ms_per_token', r.get('error'))} | {_gib(r)} |"
                       for r in sec["rows"]]
+        elif name == "longgen":
+            lines += [f"{sec['generated']} tokens generated at {sec['compression']:.0%} compression; SmolLM2: "
+                      f"{sec['smollm2']}", "", "| model | cache | batch | tokens/s | last 512 tokens/s | KV MiB | "
+                      "peak device GiB |", "|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['model']} | {r['impl']} | {r['batch']} | " + (
+                f"{r['tokens_per_s']:.1f} | {r['last_tokens_per_s']:.1f} | {r['kv_bytes'] / 2**20:.0f} | {_gib(r)} |"
+                if "error" not in r else f"{r['error']} | | | |") for r in sec["rows"]]
         elif name == "distill":
             lines += ["| kernel | step s | first step s | peak device GiB |", "|---|---|---|---|"]
             lines += [f"| {r['kernel']} | {r.get('step_s', r.get('error'))} | {r.get('compile_and_first_s', '')} | "

@@ -47,10 +47,12 @@ def grouped_attention(q_BSHD, k, v, *, allowed=None, log_weights=None, kv_layout
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - m)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    probs = p / denom
-    out = jnp.einsum(f"bkgst,{kv}->bskgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    # normalised after the value product (over D, not T) and laid out [B, K, G, S, D] until the
+    # end: 2.7x faster than weights @ values in [B, S, K, G, D] for one query over 2k slots, CPU
+    out = jnp.einsum(f"bkgst,{kv}->bkgsd", p.astype(v.dtype), v, preferred_element_type=jnp.float32) / denom
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, S, H, D)
     lse = jnp.transpose((m + jnp.log(denom))[..., 0], (0, 3, 1, 2)).reshape(B, S, H)
-    return out.reshape(B, S, H, D).astype(q_BSHD.dtype), lse, probs
+    return out.astype(q_BSHD.dtype), lse, p / denom
 
 
 CAUSAL_BLOCK = 128      # query rows per block of causal_attention (fastest of 64-512 on 2 CPU cores)
@@ -79,6 +81,58 @@ def causal_attention(q_BSHD, k, v, *, allowed, kv_layout: str = "BTKD", block: i
     if len(outs) == 1:
         return outs[0], lses[0]
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+
+
+DECODE_BLOCK = 1024     # keys per block of prefix_attention (512-2048 measured within 15% at 8k on 2 CPU cores)
+
+
+def prefix_attention(q_BSHD, k_BKTD, v_BKTD, q_pos_BS, *, block: int = DECODE_BLOCK):
+    """Causal attention of a few queries over a slot-indexed cache (slot ``t`` holds position
+    ``t``; query ``(b, s)`` sees slots ``t <= q_pos_BS[b, s]``), reading only the blocks up to the
+    furthest query: ``(out [B, S, H, D] in q's dtype, lse [B, S, H] float32)``.
+
+    The decode step of a dense cache allocated for the whole generation: a ``lax.fori_loop`` over
+    ``ceil((max q_pos + 1) / block)`` key blocks with the online softmax
+    ``m' = max(m, max_t s_t)``, ``l' = l e^{m - m'} + sum_t e^{s_t - m'}``,
+    ``acc' = acc e^{m - m'} + sum_t e^{s_t - m'} v_t``, ``out = acc / l``, so a step at position
+    ``p`` costs ``O(p)``, not the allocated ``O(T)``. Equal to :func:`grouped_attention` with the
+    causal mask up to float rounding (tested). The last block is read at ``T - block`` when ``T``
+    is not a multiple of ``block``, its slots before ``i * block`` masked (already counted). When
+    the blocks to read cover more than half the cache, one pass over all of it is cheaper than
+    the loop's block copies and is taken instead (``lax.cond``)."""
+    B, S, H, D = q_BSHD.shape
+    K, T = k_BKTD.shape[1], k_BKTD.shape[2]
+    G, blk = H // K, min(block, T)
+    n = jnp.minimum((jnp.max(q_pos_BS) + blk) // blk, -(-T // blk))
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = jnp.minimum(i * blk, T - blk)
+        kb = jax.lax.dynamic_slice_in_dim(k_BKTD, start, blk, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(v_BKTD, start, blk, axis=2)
+        idx = start + jnp.arange(blk)
+        ok = ((idx >= i * blk)[None, None, :] & (idx[None, None, :] <= q_pos_BS[:, :, None]))[:, None, None]
+        s = jnp.where(ok, grouped_logits(q_BSHD, kb, kv_layout="BKTD"), NEG_INF)          # [B, K, G, S, blk]
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(ok, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("bkgst,bktd->bkgsd", p.astype(vb.dtype), vb,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l * scale + jnp.sum(p, axis=-1), acc
+
+    def blocks(q, k, v, q_pos):
+        init = (jnp.full((B, K, G, S), NEG_INF, jnp.float32), jnp.zeros((B, K, G, S), jnp.float32),
+                jnp.zeros((B, K, G, S, D), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(0, n, body, init)
+        out = jnp.transpose(acc / l[..., None], (0, 3, 1, 2, 4)).reshape(B, S, H, D)
+        return out.astype(q.dtype), jnp.transpose(m + jnp.log(l), (0, 3, 1, 2)).reshape(B, S, H)
+
+    def whole(q, k, v, q_pos):
+        causal = (jnp.arange(T)[None, None, :] <= q_pos[:, :, None])[:, None, None]
+        return grouped_attention(q, k, v, allowed=causal, kv_layout="BKTD")[:2]
+
+    # past half the cache one pass is cheaper than the loop's block copies (measured, 2 CPU cores)
+    return jax.lax.cond(2 * n * blk > T, whole, blocks, q_BSHD, k_BKTD, v_BKTD, q_pos_BS)
 
 
 def sparse_attention(q_BSHD, k_BSKD, v_BSKD, rank_BKS, cutoff_BKS, *, sinks: int, window: int):

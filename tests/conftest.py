@@ -52,7 +52,7 @@ INTEGRATION = (
     "scorers/test_scorer_fit.py", "train/test_remat.py", "train/test_distill_lkv.py",
     "train/test_sharding.py", "eviction/test_eviction_state.py", "train/test_key_dropout.py",
     "project/test_shipped_teachers.py", "longctx/test_tasks.py", "evaluation/test_trace_retention.py",
-    "train/test_teacher_cache.py", "longctx/test_decision_slice.py",
+    "train/test_teacher_cache.py", "longctx/test_decision_slice.py", "evaluation/test_long_generation.py",
 )
 # The heaviest files of the test-fast set, heaviest first, scheduled next for the same reason: in
 # collection order train/test_targets.py (about 45 s) is handed out near the end. Idle test-fast runs

@@ -22,11 +22,14 @@ def test_smoke_runs_every_section_without_grain(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     report = json.loads((tmp_path / "out" / "device_check.json").read_text())
     secs = report["sections"]
-    assert set(secs) == {"env", "correctness", "kernels", "decode", "distill"}
+    assert set(secs) == {"env", "correctness", "kernels", "decode", "longgen", "distill"}
     assert all(s["ok"] for s in secs.values()), {k: s.get("error") for k, s in secs.items()}
     assert secs["env"]["grain"].startswith("absent")
     assert secs["correctness"]["all_ok"] and len(secs["correctness"]["checks"]) == 14
     assert {r["impl"] for r in secs["decode"]["rows"]} == {"kvjax-dense", "kvjax-kvpop"}
     assert all("step_s" in r for r in secs["distill"]["rows"])
+    longgen = {(r["model"], r["impl"], r["batch"]) for r in secs["longgen"]["rows"] if "tokens_per_s" in r}
+    assert {(i, b) for m, i, b in longgen if m == "tiny"} == {
+        (i, b) for i in ("kvjax-dense", "kvjax-kvpop", "kvjax-streaming_llm") for b in (1, 8)}, secs["longgen"]
     assert "## correctness: ok" in (tmp_path / "out" / "device_check.md").read_text()
     assert elapsed < 180, elapsed
