@@ -171,6 +171,26 @@ def specs(impls, batches, lengths, compressions, model: str, prompt_ids: list[in
     return out
 
 
+def model_positions(model_dir: str) -> int:
+    """The model folder's ``max_position_embeddings``: the longest sequence it was trained for."""
+    from kvjax.config import ModelConfig
+
+    return ModelConfig.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())).max_position_embeddings
+
+
+def resolve_lengths(lengths: list[str], prompt_len: int, positions: int) -> list[int]:
+    """Generated lengths as integers, ``"max"`` being ``positions - prompt_len``; a length that
+    would run past the model's positions is refused before any run starts."""
+    out = []
+    for x in lengths:
+        n = positions - prompt_len if x == "max" else int(x)
+        if prompt_len + n > positions:
+            raise SystemExit(f"--lengths {x}: prompt {prompt_len} + {n} generated tokens exceeds the model's "
+                             f"max_position_embeddings={positions}; use 'max' ({positions - prompt_len}) or less")
+        out.append(n)
+    return out
+
+
 def prompt_ids(model_dir: str) -> list[int]:
     """:data:`PROMPT` as one chat turn, through the model folder's own tokenizer."""
     import transformers
@@ -295,7 +315,8 @@ def write_report(records: list[dict], out: Path, meta: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--one", help=argparse.SUPPRESS)          # a kvjax run's spec, in the child process
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--lengths", nargs="+", default=["2048", "4096", "max"],
+                    help="tokens to generate; 'max' fills the model's positions (8192 - prompt on SmolLM2)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--compressions", type=float, nargs="+", default=[0.75, 0.88])
     ap.add_argument("--impls", nargs="+", default=[i for i in IMPLS if i != "kvpress-knorm"], choices=IMPLS,
@@ -319,15 +340,17 @@ def main(argv=None) -> int:
     meta = {"prompt": PROMPT, "learned_scorers": str(LEARNED_SCORERS.relative_to(ROOT)), "segment": args.segment,
             "kvpress_interval": args.interval, "cores": os.cpu_count()}
     if not args.report:
-        if any(i in HF_IMPLS for i in args.impls) and not Path(args.hf_python).exists():
+        needs_kvpress = [i for i in args.impls if i.startswith("kvpress-")]   # transformers-dense runs here
+        if needs_kvpress and not Path(args.hf_python).exists():
             raise SystemExit(f"--hf-python {args.hf_python}: not found; make kvpress's venv with "
-                             f"`bash experiments/kvpress_venv.sh`, or leave out {HF_IMPLS} with --impls")
+                             f"`bash experiments/kvpress_venv.sh`, or leave out {needs_kvpress} with --impls")
         from kvjax.real_model import ensure_model
 
         model = args.model or str(ensure_model())
         ids = prompt_ids(model)
+        lengths = resolve_lengths(args.lengths, len(ids), model_positions(model))
         done = {json.dumps(_key(r), sort_keys=True) for r in records if "error" not in r}
-        todo = [s for s in specs(args.impls, args.batches, args.lengths, args.compressions, model, ids,
+        todo = [s for s in specs(args.impls, args.batches, lengths, args.compressions, model, ids,
                                  args.segment, args.interval) if json.dumps(_key(s), sort_keys=True) not in done]
         print(f"{len(todo)} runs to go ({len(done)} stored in {store}); load average {os.getloadavg()[0]:.2f}",
               flush=True)

@@ -88,3 +88,19 @@ def test_sweep_stores_resumes_and_reports(hf_dir, tmp_path, monkeypatch):
         lg.main(argv[:-2] + ["--compressions", "0.8", "--out", str(tmp_path / "other")])
     stamp = (tmp_path / "records.jsonl.gz").read_bytes()
     assert lg.main(argv) == 0 and (tmp_path / "records.jsonl.gz").read_bytes() == stamp
+
+
+def test_a_kvpress_run_without_kvpress_venv_is_refused_by_name(tmp_path):
+    """Only kvpress's rows need its venv; asking for one without it names the venv and the rows."""
+    argv = ["--lengths", "128", "--impls", "kvjax-dense", "kvpress-streaming_llm", "--hf-python",
+            str(tmp_path / "missing" / "python"), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match=r"missing/python: not found.*\['kvpress-streaming_llm'\]"):
+        lg.main(argv)
+    assert not (tmp_path / "records.jsonl.gz").exists()
+
+
+def test_max_length_fills_the_models_positions_and_longer_is_refused():
+    assert lg.resolve_lengths(["2048", "max"], 48, 8192) == [2048, 8144]
+    with pytest.raises(SystemExit, match="prompt 48 \\+ 8192 generated tokens exceeds the model's "
+                                         "max_position_embeddings=8192; use 'max' \\(8144\\)"):
+        lg.resolve_lengths(["8192"], 48, 8192)
