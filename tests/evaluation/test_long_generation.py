@@ -22,18 +22,18 @@ def test_timed_generation_is_generate(tiny_llama, bounded):
     """Segments of the decode engine give ``kvjax.generate``'s greedy tokens, for the dense cache
     and for a bounded one whose budget (16) the 48 generated tokens overflow."""
     policy = make_policy("streaming_llm", EvictionConfig(4, 4, 8)) if bounded else kvjax.cache.DenseKV()
-    r = lg.time_generation(tiny_llama, policy, PROMPT, 2, 48, segment=16)
+    r = lg.time_generation(tiny_llama, policy, PROMPT, 2, 48, segment=20)     # segments of 8, 20, 20
     ref = np.asarray(kvjax.generate(tiny_llama, [PROMPT] * 2, 48, policy=policy if bounded else None,
                                     eos_token_id=[]))[:, len(PROMPT):]
     np.testing.assert_array_equal(r["tokens"], ref)
-    assert len(r["times_s"]) == 4 and all(a < b for a, b in zip(r["times_s"], r["times_s"][1:]))
+    assert r["steps"] == [0, 8, 28, 48] and len(r["times_s"]) == 4 and all(a < b for a, b in zip(r["times_s"], r["times_s"][1:]))
     dense_bytes = 2 * 2 * 2 * 2 * (len(PROMPT) + 48) * 16 * 4        # k+v, layers, batch, KV heads, slots, D, f32
     assert (r["cache_bytes"] < dense_bytes) if bounded else (r["cache_bytes"] == dense_bytes)
 
 
 def test_bad_settings_are_named(tiny_llama):
-    with pytest.raises(ValueError, match="multiple of segment"):
-        lg.time_generation(tiny_llama, kvjax.cache.DenseKV(), PROMPT, 1, 40, segment=16)
+    with pytest.raises(ValueError, match="must be positive"):
+        lg.time_generation(tiny_llama, kvjax.cache.DenseKV(), PROMPT, 1, 40, segment=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         lg.time_generation(tiny_llama, kvjax.cache.DenseKV(), PROMPT, 1, 512, segment=16)
     with pytest.raises(ValueError, match="keeps 25 entries per head"):
