@@ -4,7 +4,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := $(if $(WHEELS),--find-links $(WHEELS),)
 
 .PHONY: install test test-fast test-latest demo long-generation teacher teacher-long quality quality-long real-model traces features scorers lkv adapted fidelity retention longctx \
-	kvpress-compare
+	kvpress-compare eval-throughput
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -116,6 +116,13 @@ kvpress-compare: $(KVPRESS_VENV)/.installed real-model
 LONGGEN_SET ?=
 long-generation: $(KVPRESS_VENV)/.installed real-model
 	$(PY) -m kvjax.evaluation.long_generation --out results/long-generation $(LONGGEN_SET)
+
+# Evaluation throughput, kvjax against kvpress, side by side on the same problems in one run
+# (experiments/eval_throughput.py; the decision slice's tasks at 1k, 8 problems each, the methods
+# both libraries have, 75% and 88%), from empty stores into a new folder.
+EVALTP_OUT ?= runs/eval-throughput-$(shell date +%Y%m%d-%H%M%S)
+eval-throughput: $(KVPRESS_VENV)/.installed real-model
+	$(PY) experiments/eval_throughput.py --out $(EVALTP_OUT)
 
 # The inner loop: pure-function and small numerical tests (< 3 minutes on 2 cores).
 test-fast: install

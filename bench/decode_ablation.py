@@ -1,6 +1,8 @@
-"""Where a bounded decode step's time goes, on the decode benchmark's model (eval.py bench).
+"""Where a bounded decode step's time goes, on the decode benchmark's model (eval.py bench) or
+any HF folder (``--model``).
 
     python bench/decode_ablation.py --batch 8 --length 4096 --budget 2048
+    python bench/decode_ablation.py --model ~/.cache/kvjax/models/smollm2-135m-instruct --length 8192
 
 Times, side by side in one run (each case in its own process, medians of ``--repeats``):
 dense at ``--length``; dense at ``--budget`` (the same bytes of cache the bounded step reads,
@@ -28,13 +30,17 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--model", help="an HF folder (SmolLM2: `make real-model`); default: the benchmark's model")
     ap.add_argument("--out", default="runs/decode-ablation.json")
     args = ap.parse_args(argv)
 
     from kvjax.evaluation import decode_bench as db
 
     load = os.getloadavg()
-    model = db.make_bench_model(Path(tempfile.gettempdir()) / "kvjax-bench-model")
+    if args.model and not (Path(args.model).expanduser() / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (an HF folder is needed)")
+    model = (Path(args.model).expanduser() if args.model
+             else db.make_bench_model(Path(tempfile.gettempdir()) / "kvjax-bench-model"))
     cases = [("kvjax-dense", args.length, "dense at the context length"),
              ("kvjax-dense", args.budget, "dense at the budget (same cache bytes, no bookkeeping)"),
              ("kvjax-streaming_llm", args.length, "bounded, StreamingLLM (placement only)"),
