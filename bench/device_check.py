@@ -230,8 +230,8 @@ def section_longgen(smoke: bool) -> dict:
                 try:
                     policy = kvjax_policy(impl, keep) if real else _kvjax_policy(impl[6:], model.config, keep)
                     r = time_generation(model, policy, prompt, batch, length, seg)
-                    row.update(rates({"batch": batch, "steps": r["steps"], "times_s": r["times_s"]}), compile_s=r["compile_s"], kv_bytes=r["cache_bytes"],
-                               peak_device_bytes=_peak_bytes())
+                    row.update(rates({"batch": batch, "steps": r["steps"], "times_s": r["times_s"]}),
+                               compile_s=r["compile_s"], kv_bytes=r["cache_bytes"], peak_device_bytes=_peak_bytes())
                 except Exception as e:  # noqa: BLE001 - an OOM is a result
                     row["error"] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)

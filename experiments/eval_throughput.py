@@ -33,9 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from kvjax.evaluation.jsonl_gz import read_jsonl  # noqa: E402  (standard library only)
+from kvjax.evaluation.jsonl_gz import read_jsonl  # noqa: E402
+from kvjax.real_model import ensure_model  # noqa: E402
 
-TASKS = "[niah_noise, niah_text, niah_multikey]"
+TASKS = ["niah_noise", "niah_text", "niah_multikey"]
 CONFIG = "configs/longctx-smollm2-baselines-1k.yaml"     # the decision slice's setting
 KVPRESS_NAME = {"dense": "none", "adakv": "adakv_snapkv"}  # kvjax policy -> kvpress press; else the same name
 BATCH = 8
@@ -112,16 +113,15 @@ def main(argv=None) -> int:
         sys.exit(f"eval_throughput: {out} already holds a run; give a new --out (each side starts from an empty store)")
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    sets = ["--set", "lengths=[1024]", "--set", f"problems={args.problems}", "--set", f"tasks={TASKS}",
+    sets = ["--set", "lengths=[1024]", "--set", f"problems={args.problems}", "--set", f"tasks=[{', '.join(TASKS)}]",
             "--set", f"compressions=[{', '.join(map(str, args.compressions))}]",
             "--set", f"policies=[{', '.join(args.methods)}]", "--set", f"batch_size={BATCH}"]
     problems = out / "problems.jsonl"
     subprocess.run([py, "-m", "kvjax.longctx", "--config", CONFIG, *sets, "--export-problems", str(problems)],
                    cwd=ROOT, check=True, capture_output=True)
-    model = subprocess.run([py, "-c", "from kvjax.real_model import ensure_model; print(ensure_model())"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    model = str(ensure_model())
 
-    print(f"kvjax: {len(args.methods)} methods on {3 * args.problems} problems ...", flush=True)
+    print(f"kvjax: {len(args.methods)} methods on {len(TASKS) * args.problems} problems ...", flush=True)
     j = timed([py, "-m", "kvjax.longctx", "--config", CONFIG, *sets, "--set", f"out_dir={out / 'kvjax'}"],
               out / "kvjax.log")
     print(f"kvpress: the same ... ({j['wall_s']:.0f} s for kvjax)", flush=True)
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     ours = read_jsonl(out / "kvjax" / "problems.jsonl.gz")
     for r in ours:
         r["id"] = f"{r['length']}/{r['task']}/{r['index']}"
-    first = {f"1024/{t}/{i}" for t in TASKS.strip("[]").split(", ") for i in range(args.problems)
-             if i * 3 + ["niah_noise", "niah_text", "niah_multikey"].index(t) < BATCH}   # run's first batch
+    order = [f"1024/{t}/{i}" for i in range(args.problems) for t in TASKS]   # kvjax.longctx's batch order
+    first = set(order[:BATCH])                                                  # the batch that compiles
     theirs = read_jsonl(out / "kvpress" / "records.jsonl.gz")
     summary = {"methods": args.methods, "problems_per_task": args.problems, "compressions": args.compressions,
                "cores": os.cpu_count(),

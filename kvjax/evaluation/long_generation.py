@@ -137,8 +137,8 @@ def time_generation(model, policy, prompt_ids: list[int], batch: int, length: in
         state, new = compiled[n](params, policy.params, state)
         out.append(np.asarray(new))         # waits for the segment
         times.append(time.perf_counter() - start)
-    return {"steps": np.cumsum([0] + plan).tolist(), "times_s": times, "compile_s": compile_s, "cache_bytes": int(cache_bytes),
-            "tokens": np.concatenate(out, axis=1)}
+    return {"steps": np.cumsum([0] + plan).tolist(), "times_s": times, "compile_s": compile_s,
+            "cache_bytes": int(cache_bytes), "tokens": np.concatenate(out, axis=1)}
 
 
 def run_kvjax(spec: dict) -> dict:
@@ -173,13 +173,6 @@ def specs(impls, batches, lengths, compressions, model: str, prompt_ids: list[in
                     out.append({"impl": impl, "batch": batch, "length": length, "compression": c, "model": model,
                                 "prompt_ids": prompt_ids, "segment": segment, "interval": interval})
     return out
-
-
-def model_positions(model_dir: str) -> int:
-    """The model folder's ``max_position_embeddings``: the longest sequence it was trained for."""
-    from kvjax.config import ModelConfig
-
-    return ModelConfig.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())).max_position_embeddings
 
 
 def resolve_lengths(lengths: list[str], prompt_len: int, positions: int) -> list[int]:
@@ -348,11 +341,12 @@ def main(argv=None) -> int:
         if needs_kvpress and not Path(args.hf_python).exists():
             raise SystemExit(f"--hf-python {args.hf_python}: not found; make kvpress's venv with "
                              f"`bash experiments/kvpress_venv.sh`, or leave out {needs_kvpress} with --impls")
+        from kvjax.convert.hf_io import read_config
         from kvjax.real_model import ensure_model
 
         model = args.model or str(ensure_model())
         ids = prompt_ids(model)
-        lengths = resolve_lengths(args.lengths, len(ids), model_positions(model))
+        lengths = resolve_lengths(args.lengths, len(ids), read_config(model).max_position_embeddings)
         done = {json.dumps(_key(r), sort_keys=True) for r in records if "error" not in r}
         todo = [s for s in specs(args.impls, args.batches, lengths, args.compressions, model, ids,
                                  args.segment, args.interval) if json.dumps(_key(s), sort_keys=True) not in done]

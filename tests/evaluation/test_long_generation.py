@@ -26,7 +26,8 @@ def test_timed_generation_is_generate(tiny_llama, bounded):
     ref = np.asarray(kvjax.generate(tiny_llama, [PROMPT] * 2, 48, policy=policy if bounded else None,
                                     eos_token_id=[]))[:, len(PROMPT):]
     np.testing.assert_array_equal(r["tokens"], ref)
-    assert r["steps"] == [0, 8, 28, 48] and len(r["times_s"]) == 4 and all(a < b for a, b in zip(r["times_s"], r["times_s"][1:]))
+    assert r["steps"] == [0, 8, 28, 48] and len(r["times_s"]) == 4
+    assert all(a < b for a, b in zip(r["times_s"], r["times_s"][1:]))
     dense_bytes = 2 * 2 * 2 * 2 * (len(PROMPT) + 48) * 16 * 4        # k+v, layers, batch, KV heads, slots, D, f32
     assert (r["cache_bytes"] < dense_bytes) if bounded else (r["cache_bytes"] == dense_bytes)
 
