@@ -131,7 +131,7 @@ def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Repla
         inv_h = 1.0 / jnp.linalg.norm(hidden_BSE.astype(jnp.float32), axis=-1)                 # [B, R]
         inv_h = jnp.pad(inv_h, ((0, 0), (0, nb * block - R))).reshape(B, nb, block)
     else:
-        out_norm, inv_h = jnp.ones((B, K, G, T), jnp.float32), jnp.ones((B, nb, block), jnp.float32)
+        out_norm, inv_h = None, jnp.ones((B, nb, block), jnp.float32)
 
     def one(best, i):
         qb = q[:, i]                                                                           # [B, b, K, G, D]
@@ -141,19 +141,22 @@ def _replay_backend(layer: int, q_BRHD, k_BRKD, v_BRKD, positions_BR, st: _Repla
         lr = jnp.einsum("bqkgd,bksd->bkgqs", qb, rep_k) * scale
         causal = (jnp.arange(R)[None, :] <= rows[:, None])[None] & (jnp.arange(R)[None, None, :] < st.length[:, None, None])
         neg = jnp.float32(-1e30)
-        lc_all = jnp.where(ctx_all[:, None, None, None, :], lc, neg)
-        lr_m = jnp.where(causal[:, None, None], lr, neg)
-        m = jnp.maximum(lc_all.max(-1), lr_m.max(-1))[..., None]
-        pc, pr = jnp.exp(lc_all - m), jnp.exp(lr_m - m)
-        z = pc.sum(-1, keepdims=True) + pr.sum(-1, keepdims=True)
-        out = (jnp.einsum("bkgqt,bktd->bqkgd", pc / z, ctx_v) + jnp.einsum("bkgqs,bksd->bqkgd", pr / z, rep_v))
-        # the scores: the softmax over the sinks, the chunk and the repeat only
-        lc_sub = jnp.where(ctx_sub[:, None, None, None, :], lc, neg)
-        m2 = jnp.maximum(lc_sub.max(-1), lr_m.max(-1))[..., None]
-        ps = jnp.exp(lc_sub - m2)
-        ps = ps / (ps.sum(-1, keepdims=True) + jnp.exp(lr_m - m2).sum(-1, keepdims=True))
-        ps = ps * inv_h[:, i][:, None, None, :, None] * out_norm[:, :, :, None, :]
-        ps = jnp.where(live[:, None, None, :, None] & chunk[:, None, None, None, :], ps, 0.0)
+        lc = jnp.where(ctx_all[:, None, None, None, :], lc, neg)
+        lr = jnp.where(causal[:, None, None], lr, neg)
+        # one exponential per logit serves both softmaxes: they differ in their denominators only
+        # (the scores' omits the context outside the sinks and the chunk), and a softmax does
+        # not depend on the maximum subtracted
+        m = jnp.maximum(lc.max(-1), lr.max(-1))[..., None]
+        pc, pr = jnp.exp(lc - m), jnp.exp(lr - m)
+        z_rep = pr.sum(-1, keepdims=True)
+        z = pc.sum(-1, keepdims=True) + z_rep                                                 # [B, K, G, b, 1]
+        z_sub = jnp.where(ctx_sub[:, None, None, None, :], pc, 0.0).sum(-1, keepdims=True) + z_rep
+        out = (jnp.einsum("bkgqt,bktd->bqkgd", pc, ctx_v) + jnp.einsum("bkgqs,bksd->bqkgd", pr, rep_v)) \
+            / jnp.moveaxis(z, 3, 1)                                                            # [B, b, K, G, 1]
+        weight = inv_h[:, i][:, None, None, :, None] / z_sub                                   # [B, K, G, b, 1]
+        ps = jnp.where(live[:, None, None, :, None] & chunk[:, None, None, None, :], pc * weight, 0.0)
+        if st.wo is not None:
+            ps = ps * out_norm[:, :, :, None, :]
         return jnp.maximum(best, ps.max(axis=(2, 3))), out.reshape(B, block, H, D)
 
     best, outs = jax.lax.scan(one, jnp.zeros((B, K, T), jnp.float32), jnp.arange(nb))
@@ -197,7 +200,9 @@ def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatProm
                 passes.append([])
             passes[c].append((b, lo, lo + len(ids), list(ask) + list(prompts.suffix) + ids))
     graphdef, params = nnx.split(model)
-    scores = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, T), jnp.float32)
+    Tc = min(T, bucket(int(n.max())))             # the repeat reads the contexts' slots only, not the cache's rest
+    dense_k, dense_v = (tuple(x[:, :, :Tc] for x in kv) for kv in (dense_k, dense_v))
+    scores = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, Tc), jnp.float32)
     wo = tuple(block_.self_attn.o_proj[...] for block_ in model.layers) if plus else None
     for rows in passes:
         R = bucket(max(len(r[3]) for r in rows))
@@ -214,6 +219,7 @@ def reconstruction_scores(model, dense_k, dense_v, contexts, prompts: RepeatProm
                      jnp.asarray(length), scores, wo)
         scores = _replay(graphdef, params, st, jnp.asarray(tokens), jnp.asarray(positions, jnp.int32),
                          sinks=prompts.sinks, block=block)
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, T - Tc)))
     first = jnp.arange(T)[None, None, None, :] < min(prompts.sinks, int(n.min()))
     return jnp.where(first, scores.max() + 1.0, scores)
 

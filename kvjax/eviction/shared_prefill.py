@@ -34,7 +34,7 @@ from flax import nnx, struct
 
 from kvjax import decode
 from kvjax.cache import CompactCache, CompressedCache, DenseCache, dense_cache_attention
-from kvjax.cache.compressed import attend_compact, compact
+from kvjax.cache.compressed import attend_compact, compact, kept_context
 from kvjax.eviction.prompt_compressed import PromptCompressed
 from kvjax.generate import decode_loop
 from kvjax.sampling import bucket
@@ -74,13 +74,27 @@ def _prefill(graphdef, params, tokens_BS, *, cache_len: int, keep_queries: bool)
     return dense, queries, lse
 
 
-def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_id: int = 0) -> ContextPrefill:
+def at_least(floor: dict | None, key, n: int) -> int:
+    """``n``, raised to the largest size ``floor[key]`` recorded before (which becomes the
+    answer). ``floor``: a dict kept across the batches of one evaluation, so that padded sizes
+    only grow and a later batch with shorter contexts, questions or kept sets reuses the
+    programs an earlier batch compiled; ``None``: ``n``."""
+    if floor is None:
+        return int(n)
+    floor[key] = max(int(n), floor.get(key, 0))
+    return floor[key]
+
+
+def prefill_context(model, contexts, *, cache_len: int, keep_queries: bool, pad_id: int = 0,
+                    floor: dict | None = None) -> ContextPrefill:
     """The dense pass over ``contexts`` (a list of token lists), padded to a length bucket;
-    ``cache_len`` slots (the longest context + question + answer, at least)."""
+    ``cache_len`` slots (the longest context + question + answer, at least). ``floor``: see
+    :func:`at_least` (the padded context length and ``cache_len`` never shrink)."""
     n = np.asarray([len(c) for c in contexts], np.int32)
     if n.min() < 1:
         raise ValueError("contexts: every row needs at least one token")
-    S = bucket(int(n.max()))
+    S = at_least(floor, "context", bucket(int(n.max())))
+    cache_len = at_least(floor, "cache", cache_len)
     if cache_len < S:
         raise ValueError(f"cache_len {cache_len} is shorter than the padded contexts ({S} tokens)")
     tokens = np.full((len(contexts), S), pad_id, np.int32)
@@ -166,20 +180,23 @@ def _answer(graphdef, params, cache: CompactCache, question_BQ, question_B, cont
 
 
 def answer(model, cache: CompressedCache | CompactCache, questions, context_B, max_new: int, *, eos_ids,
-           pad_id: int = 0) -> np.ndarray:
+           pad_id: int = 0, floor: dict | None = None) -> np.ndarray:
     """Greedy new tokens ``int32 [B, max_new]`` (``pad_id`` after a row's EOS): each row's
     question (a list of token lists, each non-empty) at positions ``n_b ..``, then decoding,
-    all under the kept set. A :class:`CompressedCache` is compacted first."""
+    all under the kept set. A :class:`CompressedCache` is compacted first. ``floor``: see
+    :func:`at_least` (the padded question and the compacted slots never shrink; keep one per
+    policy and ratio, since their kept sets differ in size)."""
     q = np.asarray([len(x) for x in questions], np.int32)
     if q.min() < 1:
         raise ValueError("questions: every row needs at least one token")
-    Q, N = bucket(int(q.max())), bucket(int(max_new))
+    Q, N = at_least(floor, "question", bucket(int(q.max()))), bucket(int(max_new))
     if isinstance(cache, CompressedCache):
         T = cache.keep[0].shape[-1]
         need = int(np.max(np.asarray(context_B) + q)) + N
         if need > T:
             raise ValueError(f"the cache holds {T} slots; contexts + questions + max_new need {need}")
-        cache = compact(cache, context_B, extra=Q + N, bucketed=True)
+        slots = min(at_least(floor, "slots", bucket(kept_context(cache, context_B))), T)
+        cache = compact(cache, context_B, extra=Q + N, slots=slots)
     elif cache.extra < Q + N:
         raise ValueError(f"the compact cache has {cache.extra} slots past the context; the padded questions "
                          f"and max_new need {Q + N}")

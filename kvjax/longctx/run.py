@@ -191,6 +191,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             for j in range(0, len(items), size):
                 work.append((length, items[j:j + size]))
         per_batch = 1 + (len(names) - 1) * len(cfg.compressions)
+        floors: dict = {}      # padded sizes per length and per (policy, ratio): shared_prefill.at_least
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
         for length, items in work:
             probs = [gen.problem(task, length, i, cfg.seed) for task, i in items]
@@ -208,19 +209,23 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 """Bounded throughout, attention statistics feed the prompt token by token."""
                 return policy is not None and not policy.static and cfg.prefill == "bounded"
 
-            def run_policy(policy) -> np.ndarray:
+            def run_policy(policy, row=("dense", 0.0)) -> np.ndarray:
                 """New tokens ``[B, max_new]`` of ``policy`` (None: dense) on this batch. Prefill
-                compression shares one dense context pass among all policies (shared_prefill)."""
+                compression shares one dense context pass among all policies (shared_prefill);
+                the padded shapes of each length and each table ``row`` (policy, ratio) only grow
+                from batch to batch (``floors``), so the first batch's programs serve the rest."""
                 if cfg.prefill == "compressed":
                     if "pre" not in shared:
                         shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
                                                         cache_len=bucket(S) + bucket(cfg.max_new),
                                                         keep_queries=any(dense_prefill(n) or n in ORACLES
-                                                                         for n in names))
+                                                                         for n in names),
+                                                        floor=floors.setdefault(length, {}))
                     cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"],
                                                                                      memo=shared.setdefault("prio", {}))
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
-                                         eos_ids=stops.tolist(), pad_id=int(stops[0]))
+                                         eos_ids=stops.tolist(), pad_id=int(stops[0]),
+                                         floor=floors.setdefault((length, row), {}))
                 if stepwise(policy):
                     policy = policy.with_prefill("stepwise")
                 return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,
@@ -237,7 +242,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 if policy is not None and cfg.prefill == "compressed":
                     policy = prompt_compressed(policy, comp, context)
                 t0 = time.time()
-                out = run_policy(policy)
+                out = run_policy(policy, (name, comp))
                 sec = (time.time() - t0) / len(probs)
                 if name == "dense":
                     dense_new = out

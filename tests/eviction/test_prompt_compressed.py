@@ -148,6 +148,39 @@ def test_one_shared_prefill_answers_like_the_one_pass_prefill(mqa):
                  prefill_context(model, ctx, cache_len=128, keep_queries=False))
 
 
+def test_a_floor_pads_later_batches_to_the_shapes_compiled_first_with_the_same_tokens(mqa):
+    """``floor``: a batch with shorter contexts, questions and kept sets than an earlier one is
+    padded to the earlier sizes (they never shrink), gives the tokens it gives unpadded, and
+    compiles no new answering program."""
+    from kvjax.eviction import shared_prefill
+    from kvjax.eviction.shared_prefill import answer, compress, prefill_context
+
+    model, _ = mqa
+    rs = np.random.RandomState(6)
+    ev = kvjax.EvictionConfig(2, 4, 8)
+    floors = {}
+
+    def run(lengths, q_lengths, floored):
+        ctx = [rs.permutation(np.arange(3, 97))[:n].tolist() for n in lengths]
+        qs = [rs.randint(3, 97, n).tolist() for n in q_lengths]
+        pre = prefill_context(model, ctx, cache_len=160 if lengths[0] > 50 else 96, keep_queries=False,
+                              floor=floors.setdefault("prefill", {}) if floored else None)
+        pol = prompt_compressed(kvjax.make_policy("knorm", ev), 0.5, lengths)
+        return answer(model, compress(pol, model, pre), qs, lengths, 6, eos_ids=[],
+                      floor=floors.setdefault("knorm", {}) if floored else None), (ctx, qs)
+
+    run([80, 75], [40, 3], True)
+    assert floors == {"prefill": {"context": 80, "cache": 160}, "knorm": {"question": 40, "slots": 40}}
+    compiled = shared_prefill._answer._cache_size()
+    state = rs.get_state()
+    short, _ = run([30, 21], [4, 2], True)       # unpadded: 32 context slots, 32 for 15 kept, 32 question, 96 in all
+    assert shared_prefill._answer._cache_size() == compiled
+    assert floors == {"prefill": {"context": 80, "cache": 160}, "knorm": {"question": 40, "slots": 40}}
+    rs.set_state(state)
+    plain, _ = run([30, 21], [4, 2], False)
+    np.testing.assert_array_equal(short, plain)
+
+
 def test_compact_drops_the_evicted_entries_in_position_order(mqa):
     """``compact``: slot ``j < M`` of row b / head k holds the j-th kept context token (its key
     and value), the mask shows exactly the kept count and every slot from ``M`` on, a token
