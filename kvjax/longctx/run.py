@@ -191,11 +191,24 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             for j in range(0, len(items), size):
                 work.append((length, items[j:j + size]))
         per_batch = 1 + (len(names) - 1) * len(cfg.compressions)
-        floors: dict = {}      # padded sizes per length and per (policy, ratio): shared_prefill.at_least
+        prompts = {(length, task, i): (p, prompt_ids(tok, p, question_aware=cfg.question_aware))
+                   for length, items in work for task, i in items
+                   for p in [gen.problem(task, length, i, cfg.seed)]}
+        # padded sizes per length and per (policy, ratio): shared_prefill.at_least. Seeded with each
+        # length's longest context, prompt and question, so that no later batch outgrows the first
+        # batch's programs (a question padded 8 tokens longer recompiles every policy's answer)
+        floors: dict = {}
+        longest: dict = {}     # each length's longest context, in tokens
+        for (length, _, _), (_, (c, q)) in prompts.items():
+            f = floors.setdefault(length, {"context": 0, "cache": 0, "question": 0})
+            longest[length] = max(longest.get(length, 0), len(c))
+            f["context"] = max(f["context"], bucket(len(c)))
+            f["cache"] = max(f["cache"], bucket(len(c) + len(q)) + bucket(cfg.max_new))
+            f["question"] = max(f["question"], bucket(len(q)))
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
         for length, items in work:
-            probs = [gen.problem(task, length, i, cfg.seed) for task, i in items]
-            parts = [prompt_ids(tok, p, question_aware=cfg.question_aware) for p in probs]
+            probs = [prompts[length, task, i][0] for task, i in items]
+            parts = [prompts[length, task, i][1] for task, i in items]
             ids = [c + q for c, q in parts]
             context = [len(c) for c, _ in parts]
             S = max(map(len, ids))
@@ -208,6 +221,13 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             def stepwise(policy) -> bool:
                 """Bounded throughout, attention statistics feed the prompt token by token."""
                 return policy is not None and not policy.static and cfg.prefill == "bounded"
+
+            def row_floor(length: int, comp: float) -> dict:
+                """A table row's first padded sizes: the length's longest question, and the kept
+                slots a uniform budget gives its longest context (prompt_compressed keeps
+                ``round((1 - ratio) * n_b)``; a policy whose heads keep more grows it once)."""
+                return {"question": floors[length]["question"],
+                        "slots": bucket(max(1, round((1.0 - comp) * longest[length])))}
 
             def run_policy(policy, row=("dense", 0.0)) -> np.ndarray:
                 """New tokens ``[B, max_new]`` of ``policy`` (None: dense) on this batch. Prefill
@@ -225,7 +245,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                                                                                      memo=shared.setdefault("prio", {}))
                     return shared_answer(model, cache, [q for _, q in parts], context, cfg.max_new,
                                          eos_ids=stops.tolist(), pad_id=int(stops[0]),
-                                         floor=floors.setdefault((length, row), {}))
+                                         floor=floors.setdefault((length, row), row_floor(length, row[1])))
                 if stepwise(policy):
                     policy = policy.with_prefill("stepwise")
                 return np.asarray(kvjax.generate(model, tokens, cfg.max_new, policy=policy, attention_mask=mask,

@@ -196,3 +196,27 @@ def test_figures_pick_dense_the_best_heuristic_and_the_best_learned(tmp_path):
     paths = write_figures(recs, tab["average"], ["kvpop_a", "kvpop_b"], [0.75, 0.88], tmp_path, "bounded")
     assert [p.name for p in paths] == ["accuracy_vs_compression.png", "needle_heatmap.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_later_batches_reuse_the_first_batchs_programs(model, tok, tmp_path):
+    """``prefill: compressed``: the padded sizes are seeded with the longest context, prompt and
+    question of the run (and each row's kept slots), so a run of many batches compiles each
+    program as often as a run of its first batch alone."""
+    from kvjax.cache import compressed
+    from kvjax.eviction import shared_prefill
+
+    jitted = {"prefill": shared_prefill._prefill, "compact": compressed._compact, "answer": shared_prefill._answer}
+
+    def compiled(problems: int) -> dict:
+        for f in jitted.values():
+            f.clear_cache()
+        cfg = LongCtxConfig(tasks=["niah_noise", "niah_multikey"], lengths=[320], problems=problems,
+                            compressions=[0.75], policies=["streaming_llm", "knorm"], sinks=2, window=8, max_new=4,
+                            batch_size=2, prefill="compressed", out_dir=str(tmp_path / f"out{problems}"))
+        run_longctx(cfg, model=model, tokenizer=tok, progress=False)
+        return {k: f._cache_size() for k, f in jitted.items()}
+
+    p = Generator(tok)
+    contexts = {len(prompt_ids(tok, p.problem(t, 320, i))[0]) for i in range(6) for t in ("niah_noise", "niah_multikey")}
+    assert len(contexts) > 1                 # the batches differ, so unseeded sizes would grow
+    assert compiled(6) == compiled(1)
