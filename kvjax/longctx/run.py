@@ -194,6 +194,11 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
         prompts = {(length, task, i): (p, prompt_ids(tok, p, question_aware=cfg.question_aware))
                    for length, items in work for task, i in items
                    for p in [gen.problem(task, length, i, cfg.seed)]}
+
+        def cache_slots(prompt: int) -> int:
+            """Cache slots for prompts of ``prompt`` tokens and the answer: one compile per bucket."""
+            return bucket(prompt) + bucket(cfg.max_new)
+
         # padded sizes per length and per (policy, ratio): shared_prefill.at_least. Seeded with each
         # length's longest context, prompt and question, so that no later batch outgrows the first
         # batch's programs (a question padded 8 tokens longer recompiles every policy's answer)
@@ -203,8 +208,16 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
             f = floors.setdefault(length, {"context": 0, "cache": 0, "question": 0})
             longest[length] = max(longest.get(length, 0), len(c))
             f["context"] = max(f["context"], bucket(len(c)))
-            f["cache"] = max(f["cache"], bucket(len(c) + len(q)) + bucket(cfg.max_new))
+            f["cache"] = max(f["cache"], cache_slots(len(c) + len(q)))
             f["question"] = max(f["question"], bucket(len(q)))
+
+        def row_floor(length: int, comp: float) -> dict:
+            """A table row's first padded sizes: the length's longest question, and the kept
+            slots a uniform budget gives its longest context (prompt_compressed keeps
+            ``round((1 - ratio) * n_b)``; a policy whose heads keep more grows it once)."""
+            return {"question": floors[length]["question"],
+                    "slots": bucket(max(1, round((1.0 - comp) * longest[length])))}
+
         bar = tqdm(total=len(work) * per_batch, desc="longctx", unit="batch", disable=not progress)
         for length, items in work:
             probs = [prompts[length, task, i][0] for task, i in items]
@@ -222,13 +235,6 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 """Bounded throughout, attention statistics feed the prompt token by token."""
                 return policy is not None and not policy.static and cfg.prefill == "bounded"
 
-            def row_floor(length: int, comp: float) -> dict:
-                """A table row's first padded sizes: the length's longest question, and the kept
-                slots a uniform budget gives its longest context (prompt_compressed keeps
-                ``round((1 - ratio) * n_b)``; a policy whose heads keep more grows it once)."""
-                return {"question": floors[length]["question"],
-                        "slots": bucket(max(1, round((1.0 - comp) * longest[length])))}
-
             def run_policy(policy, row=("dense", 0.0)) -> np.ndarray:
                 """New tokens ``[B, max_new]`` of ``policy`` (None: dense) on this batch. Prefill
                 compression shares one dense context pass among all policies (shared_prefill);
@@ -237,7 +243,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 if cfg.prefill == "compressed":
                     if "pre" not in shared:
                         shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
-                                                        cache_len=bucket(S) + bucket(cfg.max_new),
+                                                        cache_len=cache_slots(S),
                                                         keep_queries=any(dense_prefill(n) or n in ORACLES
                                                                          for n in names),
                                                         floor=floors.setdefault(length, {}))
@@ -286,7 +292,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                         oracles[kind] = prefill_oracle_priorities(model, shared["pre"], tails, cfg.window, kind)
                     else:
                         full = [r + a for r, a in zip(ids, new)]
-                        T = bucket(S) + bucket(cfg.max_new)        # generate's shapes: one compile per bucket
+                        T = cache_slots(S)        # generate's shapes
                         seq = np.full((len(full), T), int(stops[0]), np.int32)
                         for b, r in enumerate(full):
                             seq[b, : len(r)] = r
