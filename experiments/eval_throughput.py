@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     py = sys.executable
     sets = ["--set", "lengths=[1024]", "--set", f"problems={args.problems}", "--set", f"tasks=[{', '.join(TASKS)}]",
             "--set", f"compressions=[{', '.join(map(str, args.compressions))}]",
-            "--set", f"policies=[{', '.join(args.methods)}]", "--set", f"batch_size={BATCH}"]
+            "--set", f"policies=[{', '.join(args.methods)}]", "--set", f"batch_size={BATCH}",
+            "--set", "learned={}", "--set", "learned_budgets={}"]     # kvpress has no learned rows
     problems = out / "problems.jsonl"
     subprocess.run([py, "-m", "kvjax.longctx", "--config", CONFIG, *sets, "--export-problems", str(problems)],
                    cwd=ROOT, check=True, capture_output=True)

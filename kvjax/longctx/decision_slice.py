@@ -5,9 +5,10 @@ the full one does, and what does it cost?
         --slice configs/longctx-smollm2-baselines-1k.yaml
 
 The slice is a sub-table of the full one (its lengths, tasks and first ``problems`` per task, the
-same problems and token ids), so every full-table policy's slice score is read from the full
-store's records; policies only the slice config runs (KeyDiff, KVzip, ...) come from the slice's
-own store. For each compression both tables give each policy one score: the slice's task average
+same problems and token ids). A policy's slice score and time come from the slice's own store
+where it holds that policy (a fresh run of the slice config, today's code and machine), and
+otherwise from the full store's records on the slice's problems, so a slice config that runs only
+a few policies (KeyDiff, KVzip, ...) is still compared against every full-table row. For each compression both tables give each policy one score: the slice's task average
 (over the tasks dense solves) and the full table's mean over its lengths of the same average. The
 agreement is Spearman's rho (and Kendall's tau) over the policies both hold, dense left out. The
 slice's cost is the sum of the stored per-problem ``seconds`` of its records, per policy: what
@@ -49,7 +50,7 @@ def compare(full: LongCtxConfig, slc: LongCtxConfig) -> dict:
     if L is None:
         raise ValueError("the decision slice compares one length; give the slice config one length")
     slice_scores, seconds = {}, {}
-    for tab in (own, from_full):                 # the full store's records win where both hold a policy
+    for tab in (from_full, own):                 # the slice's own records win where both hold a policy
         for (length, comp, p), cell in tab["average"].items():
             slice_scores[(comp, p)] = cell
         per: dict = {}

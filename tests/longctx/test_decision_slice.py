@@ -1,7 +1,8 @@
-"""The decision slice read from the committed stores: its scores are the full table's records on
-the slice's problems, and its rank agreement is Spearman's rho over those scores."""
+"""The decision slice read from the committed stores: a policy's slice score and time are the
+slice's own records where its store holds that policy, else the full table's records on the
+slice's problems; its rank agreement is Spearman's rho over those scores."""
 
-import json
+import dataclasses
 import os
 
 import numpy as np
@@ -18,8 +19,17 @@ FULL = os.path.join(ROOT, "configs/longctx-smollm2-compressed.yaml")
 SLICE = os.path.join(ROOT, "configs/longctx-smollm2-baselines-1k.yaml")
 
 
+TASKS = ("niah_noise", "niah_text", "niah_multikey")
+
+
 def _records(folder):
     return read_records(os.path.join(ROOT, folder))
+
+
+def _task_average(records, policy, comp, slice_only=False):
+    keep = [r for r in records if r["policy"] == policy and r["length"] == 1024 and r["compression"] == comp
+            and (not slice_only or r["index"] < 32)]
+    return np.mean([np.mean([r["score"] for r in keep if r["task"] == t]) for t in TASKS])
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +37,38 @@ def res():
     return compare(load_config(LongCtxConfig, FULL), load_config(LongCtxConfig, SLICE))
 
 
-def test_slice_scores_are_the_full_stores_records_on_the_slice_problems(res):
-    full = _records("results/longctx/smollm2-compressed")
+def test_the_slices_own_records_win_over_the_full_store(res):
+    """Every row the slice config runs (dense too, which both stores hold) is scored and timed
+    from the slice's own store."""
+    slc = load_config(LongCtxConfig, SLICE)
+    own = _records(slc.out_dir)
     rows = {r["policy"]: r for r in res["rows"]}
-    tasks = ("niah_noise", "niah_text", "niah_multikey")
+    for policy in dict.fromkeys(["dense", *slc.policies, *slc.learned]):
+        for comp in slc.compressions:                 # dense's one record stands in every column
+            stored = _task_average(own, policy, 0.0 if policy == "dense" else comp)
+            assert rows[policy][f"slice@{comp:g}"][0] == pytest.approx(stored)
+        assert rows[policy]["seconds"] == pytest.approx(sum(r["seconds"] for r in own if r["policy"] == policy))
+    full_dense = sum(r["seconds"] for r in _records("results/longctx/smollm2-compressed") if r["policy"] == "dense"
+                     and r["length"] == 1024 and r["index"] < 32 and r["task"] in TASKS)
+    assert rows["dense"]["seconds"] != pytest.approx(full_dense)      # the two stores differ: the test can fail
+    assert rows["kvzip"]["full@0.88"] is None and rows["dense"]["full@0.88"] is not None
+
+
+def test_a_narrow_slice_reads_the_other_rows_from_the_full_store():
+    """A slice config that runs only dense and the baselines still gets every full-table row,
+    scored and timed from the full store's records on the slice's first 32 problems per task."""
+    slc = load_config(LongCtxConfig, SLICE)
+    narrow = dataclasses.replace(slc, policies=["dense", "keydiff", "kvzip"], learned={}, learned_budgets={})
+    rows = {r["policy"]: r for r in compare(load_config(LongCtxConfig, FULL), narrow)["rows"]}
+    full = _records("results/longctx/smollm2-compressed")
     for policy in ("snapkv", "lkv", "streaming_llm"):
-        per_task = [np.mean([r["score"] for r in full if r["policy"] == policy and r["length"] == 1024
-                             and r["task"] == t and r["index"] < 32 and r["compression"] == 0.75]) for t in tasks]
-        assert rows[policy]["slice@0.75"][0] == pytest.approx(np.mean(per_task))
+        assert rows[policy]["slice@0.75"][0] == pytest.approx(_task_average(full, policy, 0.75, slice_only=True))
+        assert rows[policy]["seconds"] == pytest.approx(
+            sum(r["seconds"] for r in full if r["policy"] == policy and r["length"] == 1024 and r["index"] < 32
+                and r["task"] in TASKS))
     own = _records("results/longctx/smollm2-baselines-1k")
-    kz = np.mean([r["score"] for r in own if r["policy"] == "kvzip" and r["compression"] == 0.88])
-    assert rows["kvzip"]["slice@0.88"][0] == pytest.approx(kz) and rows["kvzip"]["full@0.88"] is None
+    assert rows["kvzip"]["slice@0.88"][0] == pytest.approx(_task_average(own, "kvzip", 0.88))
+    assert rows["kvzip"]["full@0.88"] is None
 
 
 def test_rank_agreement_is_spearman_over_the_shared_policies(res):
