@@ -9,7 +9,8 @@ exported (``--export-problems``). For every method both ran (dense = kvpress's `
 every compression: each side's mean score with its standard error over the problems both
 answered, how many answers are the same text, and how many problems score the same. Then every
 kvjax policy and every kvpress press (those without a counterpart too, e.g. KeyDiff and
-ExpectedAttention) in one table, over the problems that every row answered at every compression.
+ExpectedAttention) in one table, over the problems that every kvjax row and kvpress's dense run
+answered; a press not yet run on all of them (a sweep in progress) is named, not tabled.
 """
 
 from __future__ import annotations
@@ -86,18 +87,29 @@ def side_by_side(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
 
 
 def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
-    """kvjax's policies, then kvpress's presses, one row each, one column per compression (dense and
-    kvpress's ``none`` in every column), over the problems every row holds at every compression."""
+    """kvjax's policies, then kvpress's presses, one row each, one column per compression kvjax holds
+    (dense and kvpress's ``none`` in every column), over the problems every kvjax row and kvpress's
+    ``none`` answered. A press not yet run on all of them at every column (a sweep in progress) is
+    named below the table with the records it has, rather than shrinking everyone's problems."""
     ours, theirs = _keyed(kvjax_records, kvpress_records)
-    comps = sorted({c for (_, c, _) in list(ours) + list(theirs) if c > 0})
+    comps = sorted({c for (_, c, _) in ours if c > 0}) or sorted({c for (_, c, _) in theirs if c > 0})
     rows = [("kvjax", p, ours, "dense") for p in dict.fromkeys(k[0] for k in ours)]
     rows += [("kvpress", p, theirs, "none") for p in dict.fromkeys(k[0] for k in theirs)]
     # dense and kvpress's `none` are stored at compression 0 and fill every column
     at = {(lib, name, comp): 0.0 if name == dense else comp for lib, name, _, dense in rows for comp in comps}
-    common = sorted(set.intersection(*({i for (n, c, i) in side if n == name and c == at[(lib, name, comp)]}
-                                       for lib, name, side, _ in rows for comp in comps)) if rows and comps else ())
+
+    def held(lib, name, side):
+        return set.intersection(*({i for (n, c, i) in side if n == name and c == at[(lib, name, comp)]}
+                                  for comp in comps))
+
+    base = [r for r in rows if r[0] == "kvjax" or r[1] == "none"]
+    common = sorted(set.intersection(*(held(lib, name, side) for lib, name, side, _ in base))) if base and comps \
+        else []
     if not common:
-        return "no problem is answered by every kvjax policy and every kvpress press"
+        return "no problem is answered by every kvjax policy and by kvpress's dense run (`none`)"
+    partial = [(name, sum(1 for (n, c, i) in theirs if n == name)) for lib, name, side, _ in rows
+               if lib == "kvpress" and not set(common) <= held(lib, name, side)]
+    rows = [r for r in rows if r[0] == "kvjax" or r[1] not in dict(partial)]
     per_task = collections.Counter(i.rsplit("/", 1)[0] for i in common)
     out = [f"{len(common)} problems ({', '.join(f'{t}: {n}' for t, n in sorted(per_task.items()))}); "
            "mean score ± SE; dense and kvpress's `none` evict nothing",
@@ -117,6 +129,9 @@ def every_row(kvjax_records: list[dict], kvpress_records: list[dict]) -> str:
         m, se = _mean_and_se([x - y for x, y in zip(scores[best["kvjax"]], scores[best["kvpress"]])])
         out.append(f"At {comp:.0%}: kvjax's best, {best['kvjax'][1]}, minus kvpress's best, "
                    f"{best['kvpress'][1]}: {100 * m:+.1f} ± {100 * se:.1f} points (paired by problem).")
+    if partial:
+        out.append(f"\nNot yet on all {len(common)} problems at every column, so left out: "
+                   + ", ".join(f"{name} ({n} records)" for name, n in partial) + ".")
     return "\n".join(out)
 
 

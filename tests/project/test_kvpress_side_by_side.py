@@ -1,5 +1,6 @@
 """``experiments/kvpress_side_by_side.py``: kvjax's store and kvpress's records joined on the same problem
-ids; the every-row table covers only the problems that every row answered at every compression."""
+ids; the every-row table covers the problems every kvjax row and kvpress's dense run answered,
+and names the presses not yet run on all of them."""
 
 import importlib.util
 import os
@@ -46,19 +47,27 @@ def test_same_method_rows_count_equal_texts_and_scores():
     assert "keydiff" not in table                        # no kvjax counterpart: not in the matched table
 
 
-def test_every_row_table_keeps_only_problems_every_row_answered():
+def test_every_row_table_names_a_press_not_run_on_every_problem_instead_of_shrinking():
     ours, theirs = _records()
     table = _bench().every_row(ours, theirs)
-    assert table.splitlines()[0].startswith("2 problems (1024/niah_noise: 2)")
+    assert table.splitlines()[0].startswith("3 problems (1024/niah_noise: 3)")
     rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in table.splitlines()
             if line.startswith("| kv")}
-    assert list(rows) == [("kvjax", "dense"), ("kvjax", "snapkv"), ("kvpress", "none"), ("kvpress", "snapkv"),
-                          ("kvpress", "keydiff")]
+    assert list(rows) == [("kvjax", "dense"), ("kvjax", "snapkv"), ("kvpress", "none"), ("kvpress", "snapkv")]
     assert rows[("kvjax", "dense")].endswith("| 100.0% ± 0.0% | 100.0% ± 0.0% |")   # dense in every column
-    assert rows[("kvjax", "snapkv")].endswith("| 50.0% ± 50.0% | 0.0% ± 0.0% |")
-    assert rows[("kvpress", "keydiff")].endswith("| 50.0% ± 0.0% | 0.0% ± 0.0% |")
-    # each library's best evicting row at 75% (snapkv: 1/2 here, 2/2 in kvpress), paired by problem
-    assert "At 75%: kvjax's best, snapkv, minus kvpress's best, snapkv: -50.0 ± 50.0 points" in table
+    assert rows[("kvjax", "snapkv")].endswith("| 33.3% ± 33.3% | 0.0% ± 0.0% |")
+    assert rows[("kvpress", "snapkv")].endswith("| 66.7% ± 33.3% | 0.0% ± 0.0% |")
+    # keydiff never ran problem 2 at 88%: named with its record count, not in the table
+    assert table.endswith("Not yet on all 3 problems at every column, so left out: keydiff (4 records).")
+    # each library's best evicting row at 75% (snapkv: 1/3 here, 2/3 in kvpress), paired by problem
+    assert "At 75%: kvjax's best, snapkv, minus kvpress's best, snapkv: -33.3 ± 33.3 points" in table
+
+
+def test_every_row_table_drops_columns_kvjax_does_not_hold():
+    ours, theirs = _records()
+    theirs += [_theirs("snapkv", 0.94, i, 0.0) for i in range(3)]     # a 94% sweep kvjax has no rows for
+    table = _bench().every_row(ours, theirs)
+    assert "| library | policy | 75% | 88% |" in table and "94%" not in table
 
 
 def test_every_row_table_says_when_no_problem_is_shared():
