@@ -88,7 +88,7 @@ class EvalConfig:
             raise ValueError("bench_budget must be >= 6, bench_steps and bench_repeats >= 1")
 
 
-VARIANT_FIELDS = ("budgets", "head_shares", "k_max", "pyramid_beta", "adakv_alpha", "obs_window", "pool")
+VARIANT_FIELDS = ("budgets", "head_norm", "head_shares", "k_max", "pyramid_beta", "adakv_alpha", "obs_window", "pool")
 
 
 def check_variant(label: str, v: dict, *, taken: set, learned: set) -> None:

@@ -50,6 +50,9 @@ class BoundedPolicy:
 
     name: ClassVar[str] = "bounded"
     static: ClassVar[bool]          # set by the protocol: True for StaticPriority
+    # priorities on one scale across heads and layers (log attention mass, attention probability),
+    # so a shared budget compares them as they are (EvictionConfig.head_norm="auto")
+    comparable_priorities: ClassVar[bool] = False
 
     def __post_init__(self):
         if not isinstance(self.config, EvictionConfig):
@@ -151,6 +154,11 @@ class BoundedPolicy:
                              f"policy.at_compression({self.compression}, length) or policy.at_budget(config) "
                              "(kvjax.generate and TextGenerator resolve it at the prompt's length)")
         ev = self.effective()
+        if ev.budgets in ("global", "layer") and not getattr(self, "table_priorities", False):
+            raise ValueError(f"policy {self.name!r}: budgets={ev.budgets!r} (one top-k shared across heads) runs "
+                             "in prefill compression (EvictionConfig(prefill='compressed') or "
+                             "kvjax.prompt_compressed); bounded throughout it needs priorities known before the "
+                             "pass (kvzip, the oracles)")
         ev.check_fits(cfg.max_position_embeddings)
         budgets = self.head_budgets(params, cfg, batch)
         layers = tuple(init_buffer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])
@@ -252,6 +260,7 @@ class AttentionStatistic(BoundedPolicy):
 
     score_rows: ClassVar[int | None] = None       # query rows the statistic reads: all, or each row's last R
     columnwise: ClassVar[bool] = False            # a key's score reads only its column (statistic_scores)
+    needs_queries: ClassVar[bool] = True          # the statistic reads the prompt's queries (KeyDiff: keys only)
 
     def prefill_scores(self, probs_BKGRS, lengths_B, qpos_BR):
         """``[B, K, S]`` per-token statistic after a dense prefill, from the attention

@@ -15,6 +15,7 @@ DEFAULT_WINDOW = 32
 # how the long-range slots are split across layers and heads (EvictionConfig.budgets)
 BUDGET_RULES = ("uniform", "pyramid", "adakv", "shares", "global", "layer")
 PREFILL_MODES = ("auto", "chunked", "stepwise", "compressed")   # EvictionConfig.prefill
+HEAD_NORMS = ("auto", "none", "zscore")   # EvictionConfig.head_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,14 @@ class EvictionConfig:
       diagnostic: head ``(l, k)`` gets ``floor(head_shares[l][k] * topk)`` slots, at most ``k_max``;
       shares of mean 1 keep the uniform total, a large share keeps that head's whole context);
       ``"global"`` (one top-k over all layers and heads, KVzip's) and ``"layer"`` (one per layer
-      over its heads): prefill compression, for rankers whose priorities are known before the pass
-      (KVzip, the oracles).
+      over its heads): prefill compression, for every static-priority ranker and KeyDiff
+      (:func:`kvjax.eviction.prompt_compressed.shared_keep_context`).
+    head_norm: how a shared budget (``"global"``, ``"layer"``) compares priorities of different
+      heads: ``"none"`` (as they are: priorities on one scale, the scorers' and oracles' log
+      attention mass, KVzip's attention probability), ``"zscore"`` (each head's priorities over
+      its eligible context tokens standardised to mean 0 and variance 1: K-norm, KeyDiff,
+      random, whose scales differ by head), ``"auto"`` (the ranker's own:
+      ``comparable_priorities``).
     """
 
     sinks: int = 4                       # first tokens always kept
@@ -69,6 +76,7 @@ class EvictionConfig:
     pyramid_beta: float = 20.0           # PyramidKV: last layer's budget = topk / beta
     adakv_alpha: float = 0.2             # Ada-KV: each head's guaranteed share of topk
     head_shares: tuple[tuple[float, ...], ...] | None = None   # budgets="shares": [L][K] multiples of topk
+    head_norm: str = "auto"              # shared budgets: how heads' priorities compare: auto | none | zscore
 
     label: ClassVar[str] = "EvictionConfig"   # names the fields in errors ("eviction" in a train config)
 
@@ -99,6 +107,8 @@ class EvictionConfig:
                              f"prefill_chunk > 0 (got prefill={self.prefill!r}, prefill_chunk={self.prefill_chunk})")
         if self.budgets not in BUDGET_RULES:
             raise ValueError(f"{c}.budgets must be one of {', '.join(map(repr, BUDGET_RULES))}, got {self.budgets!r}")
+        if self.head_norm not in HEAD_NORMS:
+            raise ValueError(f"{c}.head_norm must be one of {', '.join(map(repr, HEAD_NORMS))}, got {self.head_norm!r}")
         if (self.budgets == "shares") != (self.head_shares is not None):
             raise ValueError(f"{c}.head_shares: give it exactly when budgets='shares' (budgets={self.budgets!r})")
         if self.head_shares is not None:

@@ -48,6 +48,7 @@ class KeyDiff(AttentionStatistic):
     """``keydiff``: see the module docstring."""
 
     name: ClassVar[str] = "keydiff"
+    needs_queries: ClassVar[bool] = False          # the anchor and the cosines are the keys' own
 
     def prefill_statistic(self, q_BSHD, k_BSKD, lengths_B) -> jax.Array:
         k = jnp.swapaxes(k_BSKD, 1, 2)                                                     # [B, K, S, D]

@@ -244,6 +244,7 @@ class KVzip(StaticPriority):
 
     name: ClassVar[str] = "kvzip"
     table_priorities: ClassVar[bool] = True           # priorities known before the pass that uses them
+    comparable_priorities: ClassVar[bool] = True      # attention probabilities: one scale for every head
     plus: ClassVar[bool] = False                      # KVzip+'s normalisation (:class:`KVzipPlus`)
     prompts: RepeatPrompts | None = None
 

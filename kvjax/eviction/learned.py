@@ -62,6 +62,7 @@ class _Learned(StaticPriority):
 class KVpopMLP(_Learned):
     name: ClassVar[str] = "kvpop_mlp"
     export_kind: ClassVar[str] = "mlp"
+    comparable_priorities: ClassVar[bool] = True   # a regression of log future-attention mass
 
     @staticmethod
     def make_scorer(meta: dict):
@@ -90,6 +91,7 @@ class KVpopMLP(_Learned):
 class KVpopMLSTM(_Learned):
     name: ClassVar[str] = "kvpop_mlstm"
     export_kind: ClassVar[str] = "mlstm"
+    comparable_priorities: ClassVar[bool] = True   # a regression of log future-attention mass
     chunk: int = 64
 
     @staticmethod

@@ -97,6 +97,7 @@ class Oracle(StaticPriority):
 
     name: ClassVar[str] = "oracle"
     table_priorities: ClassVar[bool] = True       # known before the pass: budgets may span layers
+    comparable_priorities: ClassVar[bool] = True  # log future-attention mass: one scale for every head
 
     def priority(self, params, layer, k_BSKD, v_BSKD, t_BS):
         if params is None:

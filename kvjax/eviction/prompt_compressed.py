@@ -68,14 +68,33 @@ def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax
     return protected | (eligible & (rank < n_top))
 
 
-def shared_keep_context(prio_LBKS, context_B, keep_B, *, sinks: int, window: int, scope: str) -> jax.Array:
+def head_normalised(prio_BLKS, eligible_B11S, how: str) -> jax.Array:
+    """``prio`` with each row, layer and head's priorities over its eligible context tokens made
+    comparable across heads: ``"none"`` as they are, ``"zscore"`` ``(p - mean) / std`` over the
+    eligible finite entries (others unchanged)."""
+    if how == "none":
+        return prio_BLKS
+    if how != "zscore":
+        raise ValueError(f"head_norm must be 'none' or 'zscore' here, got {how!r}")
+    p = prio_BLKS.astype(jnp.float32)
+    w = eligible_B11S & jnp.isfinite(p)
+    n = jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), 1)
+    mean = jnp.sum(jnp.where(w, p, 0.0), axis=-1, keepdims=True) / n
+    var = jnp.sum(jnp.where(w, (p - mean) ** 2, 0.0), axis=-1, keepdims=True) / n
+    return jnp.where(w, (p - mean) / jnp.sqrt(var + 1e-12), p)
+
+
+def shared_keep_context(prio_LBKS, context_B, keep_B, *, sinks: int, window: int, scope: str,
+                        norm: str = "none") -> jax.Array:
     """``bool [L, B, K, S]``: every head's sinks and last ``window`` context tokens, and the best
     ``L K (c_b - s - w)`` other context tokens of all layers and heads together (``scope="global"``)
-    or ``K (c_b - s - w)`` of each layer's heads (``"layer"``); ``keep_B`` is ``c_b``. Ties: the
-    later token (in layer, head, position order)."""
+    or ``K (c_b - s - w)`` of each layer's heads (``"layer"``); ``keep_B`` is ``c_b``. ``norm``
+    (:func:`head_normalised`) puts each head's priorities on one scale first. Ties: the later
+    token (in layer, head, position order)."""
     L, B, K, S = prio_LBKS.shape
     protected, eligible = _context_sets(S, context_B, sinks, window)                  # [B, 1, S]
-    prio = jnp.where(eligible[:, None], jnp.moveaxis(prio_LBKS, 0, 1), jnp.nan)      # [B, L, K, S]
+    prio = head_normalised(jnp.moveaxis(prio_LBKS, 0, 1), eligible[:, None], norm)    # [B, L, K, S]
+    prio = jnp.where(eligible[:, None], prio, jnp.nan)
     n_top = jnp.maximum(jnp.asarray(keep_B) - sinks - window, 0)                      # [B]
     if scope == "global":
         rank = token_ranks(prio.reshape(B, 1, L * K * S)).reshape(B, L, K, S)
@@ -135,11 +154,36 @@ class PromptCompressed:
         """One top-k over all layers (``budgets="global"``) or each layer's heads (``"layer"``)."""
         return self.ranker.effective().budgets in ("global", "layer")
 
+    @property
+    def needs_table(self) -> bool:
+        """A shared budget over priorities that the prompt's pass computes (every ranker but
+        KVzip and the oracles, whose tables exist before it): all layers' priorities are gathered
+        from a dense pass of the context first (:meth:`prepare`; ``shared_prefill.compress``
+        gathers them from its own prefill)."""
+        return (self.shared_budget and not getattr(self.ranker, "table_priorities", False)
+                and not hasattr(self.ranker, "scored"))
+
+    @property
+    def head_norm(self) -> str:
+        """How the shared budget compares heads (``EvictionConfig.head_norm``; ``"auto"``: as they
+        are for rankers with ``comparable_priorities``, z-scored per head otherwise)."""
+        how = self.ranker.effective().head_norm
+        if how != "auto":
+            return how
+        return "none" if self.ranker.comparable_priorities else "zscore"
+
     def prepare(self, model, tokens_BS, lengths_B) -> "PromptCompressed":
         """A ranker that scores its context by a pass of its own (KVzip's reconstruction) runs it
-        on a dense prefill of the contexts (``kvjax.generate`` calls this before the prompt)."""
-        if not hasattr(self.ranker, "scored") or self.params["ranker"] is not None:
+        on a dense prefill of the contexts, and a shared budget over priorities of the prompt's
+        pass gathers every layer's from one (``kvjax.generate`` calls this before the prompt)."""
+        scored = hasattr(self.ranker, "scored") and self.params["ranker"] is None
+        if not scored and not (self.needs_table and self.params.get("table") is None):
             return self
+        if self.needs_table and not self.ranker.static and getattr(self.ranker, "needs_queries", True):
+            raise ValueError(f"policy {self.ranker.name!r}: budgets={self.ranker.effective().budgets!r} ranks all "
+                             "layers together, so every layer's priorities must exist before the prompt's pass; an "
+                             "attention statistic needs the prompt's queries for them: compress through "
+                             "kvjax.eviction.shared_prefill (prefill_context(keep_queries=True), then compress)")
         from flax import nnx
 
         from kvjax.sampling import bucket
@@ -151,7 +195,21 @@ class PromptCompressed:
             padded[b, :len(c)] = c
         graphdef, params = nnx.split(model)
         dense = _context_cache(graphdef, params, jnp.asarray(padded))
-        return self.with_ranker(self.ranker.scored(model, dense.k, dense.v, contexts))
+        if scored:
+            return self.with_ranker(self.ranker.scored(model, dense.k, dense.v, contexts))
+        table = _context_table(self, self.params, model.config, dense)
+        return dataclasses.replace(self, params={**self.params, "table": table})
+
+    def context_table(self, params, cfg, k_LBKTD, v_LBKTD) -> jax.Array:
+        """``float32 [L, B, K, T]``: the ranker's priority of every context token in every layer,
+        from the dense context cache's keys and values (static rankers and KeyDiff)."""
+        B, _, T, _ = k_LBKTD[0].shape
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        states = self.ranker.init_policy_state(params["ranker"], cfg, B) if self.ranker.static else ()
+        return jnp.stack([self.priority(params, layer, None, jnp.swapaxes(k_LBKTD[layer], 1, 2),
+                                        jnp.swapaxes(v_LBKTD[layer], 1, 2), positions,
+                                        states[layer] if states else None)
+                          for layer in range(cfg.num_layers)]).astype(jnp.float32)
 
     def with_ranker(self, ranker) -> "PromptCompressed":
         return dataclasses.replace(self, ranker=ranker, params={**self.params, "ranker": ranker.params})
@@ -167,18 +225,23 @@ class PromptCompressed:
 
     def _shared_keep(self, params, cfg, T: int) -> tuple:
         """Every layer's visible slots under a budget shared across heads (and layers), from the
-        ranker's priority table (known before the pass)."""
+        ranker's priority table (KVzip, the oracles) or the one gathered for it (:meth:`prepare`)."""
         r = self.ranker
-        if not getattr(r, "table_priorities", False):
-            raise ValueError(f"policy {r.name!r}: budgets={r.effective().budgets!r} ranks all layers together, "
-                             "which needs priorities known before the pass (kvzip, the oracles)")
         ev, context = r.config, params["context"]
-        table = jnp.stack([r.priority(params["ranker"], layer, None, None,
-                                      jnp.broadcast_to(jnp.arange(T), (context.shape[0], T)))
-                           for layer in range(cfg.num_layers)])                              # [L, B, K, T]
+        if self.needs_table:
+            table = params.get("table")
+            if table is None:
+                raise ValueError(f"policy {r.name!r}: budgets={r.effective().budgets!r} needs every layer's "
+                                 "priorities before the pass: run it through kvjax.generate (which gathers them) "
+                                 "or kvjax.eviction.shared_prefill.compress")
+            table = jnp.pad(table[..., :T], ((0, 0), (0, 0), (0, 0), (0, max(T - table.shape[-1], 0))))
+        else:
+            table = jnp.stack([r.priority(params["ranker"], layer, None, None,
+                                          jnp.broadcast_to(jnp.arange(T), (context.shape[0], T)))
+                               for layer in range(cfg.num_layers)])                          # [L, B, K, T]
         total = jnp.round((1.0 - params["ratio"]) * context).astype(jnp.int32)
         kept = shared_keep_context(table, context, total, sinks=ev.sinks, window=ev.window,
-                                   scope=r.effective().budgets)
+                                   scope=r.effective().budgets, norm=self.head_norm)
         t = jnp.arange(T)[None, None, :]
         return tuple((t >= context[:, None, None]) | kept[layer] for layer in range(cfg.num_layers))
 
@@ -245,6 +308,11 @@ class PromptCompressed:
                                            visible_BKST=visible, prefill=True)
         keeps = cache.keep[:layer] + (keep,) + cache.keep[layer + 1:]
         return out, cache.replace(dense=dense, keep=keeps)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _context_table(policy: PromptCompressed, params, cfg, dense: DenseCache) -> jax.Array:
+    return policy.context_table(params, cfg, dense.k, dense.v)
 
 
 @functools.partial(jax.jit, static_argnums=0)

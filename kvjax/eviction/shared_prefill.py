@@ -118,6 +118,10 @@ def _statistic_priorities(policy: PromptCompressed, params, pre: ContextPrefill)
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _compress(policy: PromptCompressed, params, cfg, pre: ContextPrefill, prio_LBKS) -> CompressedCache:
     B, K, T, _ = pre.dense.k[0].shape
+    if policy.needs_table:          # a shared budget: every layer's priorities first, then one top-k
+        table = prio_LBKS if prio_LBKS is not None else policy.context_table(params, cfg, pre.dense.k, pre.dense.v)
+        cache = decode.open_cache(policy, {**params, "table": table}, cfg, B, T, pre.dense.k[0].dtype, pre.context)
+        return cache.replace(dense=pre.dense)
     cache = decode.open_cache(policy, params, cfg, B, T, pre.dense.k[0].dtype, pre.context)
     if policy.ranker.static:        # priorities from keys and values, each layer's scorer its own
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))

@@ -32,7 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -63,7 +63,10 @@ class LongCtxConfig:
     policies: list[str] = field(default_factory=lambda: ["dense", "streaming_llm", "random", "knorm", "snapkv",
                                                          "h2o", "tova", "oracle"])
     learned: dict[str, str] = field(default_factory=dict)   # label -> exported scorer folder
-    learned_budgets: dict[str, str] = field(default_factory=dict)   # label -> budget rule, e.g. adakv
+    learned_budgets: dict[str, str] = field(default_factory=dict)   # label -> budget rule, e.g. adakv, global
+    # rows of a heuristic or oracle under other EvictionConfig fields: label -> {policy, fields},
+    # e.g. {knorm_global: {policy: knorm, budgets: global}} (one top-k over all layers and heads)
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
     sinks: int = 4
     window: int = 32
     obs_window: int = 16                    # SnapKV's observation window (kvpress's window_size: = window)
@@ -94,8 +97,12 @@ class LongCtxConfig:
         for label, rule in self.learned_budgets.items():
             if label not in self.learned:
                 raise ValueError(f"learned_budgets: {label!r} is not a label in learned ({', '.join(self.learned)})")
-            if rule not in ("uniform", "pyramid", "adakv"):
-                raise ValueError(f"learned_budgets: {label}: rule must be 'uniform', 'pyramid' or 'adakv', got {rule!r}")
+            if rule not in ("uniform", "pyramid", "adakv", "global", "layer"):
+                raise ValueError(f"learned_budgets: {label}: rule must be 'uniform', 'pyramid', 'adakv', 'global' "
+                                 f"or 'layer', got {rule!r}")
+            if rule in ("global", "layer") and self.prefill != "compressed":
+                raise ValueError(f"learned_budgets: {label}: {rule!r} shares one top-k across heads, which runs in "
+                                 f"prefill compression (prefill: compressed), not prefill: {self.prefill}")
         if self.prefill not in ("bounded", "auto", "compressed"):
             raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
         if self.question_aware and self.prefill != "compressed":
@@ -119,7 +126,17 @@ class LongCtxConfig:
                                  "count >= 1")
         from kvjax.longctx.checks import check_policy_names
 
-        check_policy_names(self.policies, self.learned, ORACLES)
+        from kvjax.evaluation.config import check_variant
+        from kvjax.eviction.policies import REGISTRY
+
+        learned_names = {n for n, c in REGISTRY.items() if getattr(c, "export_kind", None) is not None}
+        for label, v in self.variants.items():
+            check_variant(label, v, taken=set(REGISTRY) | set(self.learned) | {"dense"}, learned=learned_names)
+            if v.get("budgets") in ("global", "layer") and self.prefill != "compressed":
+                raise ValueError(f"variants.{label}: budgets {v['budgets']!r} shares one top-k across heads, which "
+                                 f"runs in prefill compression (prefill: compressed), not prefill: {self.prefill}")
+        # a variant not in policies is fine: --set policies=[...] narrows a run
+        check_policy_names([p for p in self.policies if p not in self.variants], self.learned, ORACLES)
 
 
 def budget(cfg: LongCtxConfig, length: int, compression: float):
@@ -173,6 +190,10 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                          f"max_position_embeddings={limit}")
     learned, digests = load_learned(cfg.learned, model)
     names = list(dict.fromkeys(["dense", *cfg.policies, *learned]))
+
+    def base(name: str) -> str:
+        """The registered policy a row runs (a variant's base policy)."""
+        return cfg.variants[name]["policy"] if name in cfg.variants else name
     gen = Generator(tok)
     run = {"model": config_hash(model.config), "metric": "longctx-v1", "prefill": cfg.prefill,
            "problems": gen.fingerprint(),
@@ -180,8 +201,9 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
            "pool": cfg.pool, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={
-        lbl: {**digests[lbl], **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
-        for lbl in cfg.learned})
+        **{lbl: {**digests[lbl], **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
+           for lbl in cfg.learned},
+        **{lbl: {"variant": v} for lbl, v in cfg.variants.items()}})
     try:
         work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
         for length in cfg.lengths:
@@ -244,7 +266,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                     if "pre" not in shared:
                         shared["pre"] = prefill_context(model, [c for c, _ in parts], pad_id=int(stops[0]),
                                                         cache_len=cache_slots(S),
-                                                        keep_queries=any(dense_prefill(n) or n in ORACLES
+                                                        keep_queries=any(dense_prefill(base(n)) or base(n) in ORACLES
                                                                          for n in names),
                                                         floor=floors.setdefault(length, {}))
                     cache = uncompressed(shared["pre"]) if policy is None else compress(policy, model, shared["pre"],
@@ -305,6 +327,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
                 ev = budget(cfg, length, comp)
                 for name in names[1:]:
                     make = functools.partial(build_policy, name, ev, learned, context=length, oracle=oracle,
+                                             variants=cfg.variants,
                                              learned_budgets=cfg.learned_budgets.get(name, "uniform"))
                     answer(make, name, comp)
         bar.close()

@@ -159,6 +159,4 @@ def test_kvzip_in_generate_is_the_oracle_of_its_scores_under_a_global_budget(tin
     assert kvjax.generate(tiny, prompts, 6, eos_token_id=[], policy=bounded).shape == (2, 56)
     with pytest.raises(ValueError, match="the model's tokenizer"):
         kvjax.generate(tiny, prompts, 2, policy=kvjax.prompt_compressed(kvjax.make_policy("kvzip", ev), 0.5, context))
-    with pytest.raises(ValueError, match="needs priorities known before the pass"):
-        kvjax.generate(tiny, prompts, 2, policy=kvjax.prompt_compressed(
-            kvjax.make_policy("knorm", dataclasses.replace(ev, budgets="global")), 0.5, context))
+    # K-norm under the same global budget: tests/eviction/test_shared_budgets.py

@@ -160,8 +160,12 @@ def test_bad_configs_are_named():
         LongCtxConfig(lengths=[1024], compressions=[0.97])
     with pytest.raises(ValueError, match="learned_budgets: 'kvpop' is not a label in learned"):
         LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"kvpop": "adakv"})
-    with pytest.raises(ValueError, match="rule must be 'uniform', 'pyramid' or 'adakv', got 'duo'"):
+    with pytest.raises(ValueError, match="rule must be 'uniform', 'pyramid', 'adakv', 'global' or 'layer', got 'duo'"):
         LongCtxConfig(learned={"lkv": "x"}, learned_budgets={"lkv": "duo"})
+    with pytest.raises(ValueError, match="variants.kn: budgets 'global' shares one top-k .* not prefill: bounded"):
+        LongCtxConfig(policies=["kn"], variants={"kn": {"policy": "knorm", "budgets": "global"}})
+    with pytest.raises(ValueError, match="variants.kn: 'topk' cannot be set here"):
+        LongCtxConfig(prefill="compressed", policies=["kn"], variants={"kn": {"policy": "knorm", "topk": 3}})
     with pytest.raises(ValueError, match="question_aware .* needs prefill: compressed"):
         LongCtxConfig(question_aware=True)
 
