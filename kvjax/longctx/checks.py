@@ -25,6 +25,20 @@ def check_policy_names(policies, learned, oracles) -> None:
             raise ValueError(f"learned: label {label!r} is a built-in policy's name; give the learned row another label")
 
 
+def check_variants(variants: dict, learned: dict, prefill: str) -> None:
+    """Each ``variants`` row: a new label over a heuristic or oracle with EvictionConfig fields
+    (:func:`kvjax.evaluation.config.check_variant`); a shared budget needs prefill compression."""
+    from kvjax.evaluation.config import check_variant
+    from kvjax.eviction.policies import REGISTRY
+
+    learned_names = {n for n, c in REGISTRY.items() if getattr(c, "export_kind", None) is not None}
+    for label, v in variants.items():
+        check_variant(label, v, taken=set(REGISTRY) | set(learned) | {"dense"}, learned=learned_names)
+        if v.get("budgets") in ("global", "layer") and prefill != "compressed":
+            raise ValueError(f"variants.{label}: budgets {v['budgets']!r} shares one top-k across heads, which "
+                             f"runs in prefill compression (prefill: compressed), not prefill: {prefill}")
+
+
 def exported_policy(folder) -> str | None:
     """The policy an exported folder holds, from its ``scorer_config.json`` (``policy``; older exports:
     inferred from ``scorer`` and ``lkv_budgets`` as :func:`kvjax.load_scorers` does)."""

@@ -124,18 +124,9 @@ class LongCtxConfig:
             if bad:
                 raise ValueError(f"{name}: {{{bad[0]}: {getattr(self, name)[bad[0]]}}} needs a length >= 256 and a "
                                  "count >= 1")
-        from kvjax.longctx.checks import check_policy_names
+        from kvjax.longctx.checks import check_policy_names, check_variants
 
-        from kvjax.evaluation.config import check_variant
-        from kvjax.eviction.policies import REGISTRY
-
-        learned_names = {n for n, c in REGISTRY.items() if getattr(c, "export_kind", None) is not None}
-        for label, v in self.variants.items():
-            check_variant(label, v, taken=set(REGISTRY) | set(self.learned) | {"dense"}, learned=learned_names)
-            if v.get("budgets") in ("global", "layer") and self.prefill != "compressed":
-                raise ValueError(f"variants.{label}: budgets {v['budgets']!r} shares one top-k across heads, which "
-                                 f"runs in prefill compression (prefill: compressed), not prefill: {self.prefill}")
-        # a variant not in policies is fine: --set policies=[...] narrows a run
+        check_variants(self.variants, self.learned, self.prefill)   # a variant unlisted in policies is fine
         check_policy_names([p for p in self.policies if p not in self.variants], self.learned, ORACLES)
 
 
