@@ -34,9 +34,14 @@ def check_variants(variants: dict, learned: dict, prefill: str) -> None:
     learned_names = {n for n, c in REGISTRY.items() if getattr(c, "export_kind", None) is not None}
     for label, v in variants.items():
         check_variant(label, v, taken=set(REGISTRY) | set(learned) | {"dense"}, learned=learned_names)
-        if v.get("budgets") in ("global", "layer") and prefill != "compressed":
-            raise ValueError(f"variants.{label}: budgets {v['budgets']!r} shares one top-k across heads, which "
-                             f"runs in prefill compression (prefill: compressed), not prefill: {prefill}")
+        check_shared_budget(f"variants.{label}: budgets", v.get("budgets"), prefill)
+
+
+def check_shared_budget(where: str, rule, prefill: str) -> None:
+    """A budget shared across heads (``global``, ``layer``) runs in prefill compression only."""
+    if rule in ("global", "layer") and prefill != "compressed":
+        raise ValueError(f"{where} {rule!r} shares one top-k across heads, which runs in prefill compression "
+                         f"(prefill: compressed), not prefill: {prefill}")
 
 
 def exported_policy(folder) -> str | None:

@@ -100,9 +100,9 @@ class LongCtxConfig:
             if rule not in ("uniform", "pyramid", "adakv", "global", "layer"):
                 raise ValueError(f"learned_budgets: {label}: rule must be 'uniform', 'pyramid', 'adakv', 'global' "
                                  f"or 'layer', got {rule!r}")
-            if rule in ("global", "layer") and self.prefill != "compressed":
-                raise ValueError(f"learned_budgets: {label}: {rule!r} shares one top-k across heads, which runs in "
-                                 f"prefill compression (prefill: compressed), not prefill: {self.prefill}")
+            from kvjax.longctx.checks import check_shared_budget
+
+            check_shared_budget(f"learned_budgets: {label}:", rule, self.prefill)
         if self.prefill not in ("bounded", "auto", "compressed"):
             raise ValueError(f"prefill must be 'bounded', 'auto' or 'compressed', got {self.prefill!r}")
         if self.question_aware and self.prefill != "compressed":
