@@ -6,11 +6,15 @@ everything a scorer fit needs is a function of the trace alone. One dense forwar
 trace writes, for every token ``t``, layer ``l`` and KV head ``h``:
 
 - ``x [T, L, K, 2D]`` bfloat16 (stored as its 16-bit pattern, ``uint16``), memory-mapped;
-- ``targets [T, 3, L, K]`` float32: the seed's mean future attention (Eqs. 15-16, max over
-  the query group, :func:`kvjax.future_attention_target`), the peak single read
-  (:func:`kvjax.targets.peak_future_attention`) and their union (the larger of the two
-  percentile ranks within the trace, as :mod:`kvjax.evaluation.oracle`); ``-inf`` where
-  ``t + w`` is past the trace (no future query).
+- ``targets [T, 5, L, K]`` float32 (``TARGETS``): the seed's mean future attention (Eqs.
+  15-16, max over the query group, :func:`kvjax.future_attention_target`), the peak single
+  read (:func:`kvjax.targets.peak_future_attention`) and their union (the larger of the two
+  percentile ranks within the trace, as :mod:`kvjax.evaluation.oracle`), ``-inf`` where
+  ``t + w`` is past the trace (no future query); then the two reconstruction targets,
+  ``log s_t`` with ``s_t`` KVzip's score of the trace read as a context to repeat
+  (``recon``, :func:`kvjax.eviction.kvzip.reconstruction_scores`) and KVzip+'s value-weighted
+  score (``recon_plus``: each reading weight times ``||W_O v_t||`` over the reader's
+  ``||h_i||``), defined for every token past the sinks (:func:`reconstruction_targets`).
 
 ``T`` is the split's total number of tokens; ``index.json`` holds each trace's offset and
 length. The pass is resumable: ``progress.json`` (written atomically after the arrays are
@@ -42,7 +46,9 @@ from kvjax.sampling import bucket
 from kvjax.targets import future_attention_target, peak_future_attention
 from kvjax.train.checkpoint import write_json_atomic
 
-TARGETS = ("mean", "peak", "union")
+TARGETS = ("mean", "peak", "union", "recon", "recon_plus")
+FUTURE_TARGETS = TARGETS[:3]     # from the trace's own dense pass
+RECON_TARGETS = TARGETS[3:]      # from a reconstruction pass over the trace
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,9 @@ class FeatureConfig:
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _trace_features(graphdef, params, tokens_1S, window: int, length):
-    """``x [S, L, K, 2D]`` bfloat16 and ``targets [S, 3, L, K]`` float32 for one trace
-    padded on the right to ``S`` (``length`` real tokens)."""
+    """``x [S, L, K, 2D]`` bfloat16, the future targets ``[S, 3, L, K]`` float32 and the dense
+    cache ``k, v [L, K, S, D]`` (model dtype) for one trace padded on the right to ``S``
+    (``length`` real tokens)."""
     model = nnx.merge(graphdef, params)
     lengths = jnp.reshape(length, (1,))
 
@@ -77,12 +84,40 @@ def _trace_features(graphdef, params, tokens_1S, window: int, length):
         pct = lambda r: _percentile(jnp.where(real, r, -jnp.inf))          # noqa: E731  among real tokens
         union = jnp.where(jnp.isfinite(mean), jnp.maximum(pct(mean), pct(peak)), -jnp.inf)
         x = jnp.concatenate([k, v], axis=-1)[0].astype(jnp.bfloat16)       # [S, K, 2D]
-        return out, acc + ((x, jnp.stack([mean[0], peak[0], union[0]])),)  # targets [3, K, S]
+        kv = (jnp.swapaxes(k[0], 0, 1), jnp.swapaxes(v[0], 0, 1))           # [K, S, D]
+        return out, acc + ((x, jnp.stack([mean[0], peak[0], union[0]]), kv),)  # targets [3, K, S]
 
     _, per_layer = model(tokens_1S, None, capture, ())
     x = jnp.stack([p[0] for p in per_layer], axis=1)                        # [S, L, K, 2D]
     tg = jnp.transpose(jnp.stack([p[1] for p in per_layer]), (3, 1, 0, 2))  # [S, 3, L, K]
-    return x, tg
+    k = jnp.stack([p[2][0] for p in per_layer])                              # [L, K, S, D]
+    v = jnp.stack([p[2][1] for p in per_layer])
+    return x, tg, k, v
+
+
+def reconstruction_targets(model, k_LKSD, v_LKSD, tokens: list[int], prompts, *, sinks: int) -> np.ndarray:
+    """``float32 [n, 2, L, K]``: ``log s_t`` for KVzip's score and KVzip+'s (``RECON_TARGETS``)
+    of the ``n = len(tokens)`` trace tokens read as one context to repeat, from the trace's
+    dense cache (``[L, K, S, D]``, ``S >= n``, slot = position).
+
+    ``-inf`` (no target) for the first ``sinks`` tokens, which every policy keeps. Tokens that
+    KVzip does not reconstruct (the chat template's head past the sinks score 0) take the
+    head's smallest positive score in the trace: ranked last, without a ``log 0`` outlier in
+    the regression."""
+    from kvjax.eviction.kvzip import reconstruction_scores
+
+    n = len(tokens)
+    k = tuple(k_LKSD[i][None] for i in range(k_LKSD.shape[0]))
+    v = tuple(v_LKSD[i][None] for i in range(v_LKSD.shape[0]))
+    out = []
+    for plus in (False, True):
+        s = np.asarray(reconstruction_scores(model, k, v, [list(tokens)], prompts, plus=plus))[:, 0, :, :n]  # [L, K, n]
+        floor = np.min(np.where(s > 0, s, np.inf), axis=-1, keepdims=True)
+        floor = np.where(np.isfinite(floor), floor, 1e-30)
+        r = np.log(np.maximum(s, floor))
+        r[..., :sinks] = -np.inf
+        out.append(np.transpose(r, (2, 0, 1)))                                               # [n, L, K]
+    return np.stack(out, axis=1).astype(np.float32)
 
 
 def _fingerprint(model, traces_file: Path, window: int) -> dict:
@@ -95,9 +130,14 @@ def _fingerprint(model, traces_file: Path, window: int) -> dict:
             "window": window}
 
 
-def build_split(model, traces_file: Path, out: Path, window: int, max_traces: int = 0, progress: bool = True) -> dict:
-    """Write (or finish) one split's features under ``out``; returns its index."""
+def build_split(model, traces_file: Path, out: Path, window: int, max_traces: int = 0, progress: bool = True,
+                prompts=None) -> dict:
+    """Write (or finish) one split's features under ``out``; returns its index. ``prompts``: the
+    reconstruction request (:class:`kvjax.eviction.kvzip.RepeatPrompts`; default: from the
+    model's tokenizer)."""
     from tqdm import tqdm
+
+    from kvjax.eviction.kvzip import repeat_prompts_for
 
     rows = [json.loads(line) for line in traces_file.read_text().splitlines() if line.strip()]
     if max_traces:
@@ -126,16 +166,19 @@ def build_split(model, traces_file: Path, out: Path, window: int, max_traces: in
     x_mm = np.memmap(out / "x.u16", np.uint16, mode, shape=(T, L, K, X))
     t_mm = np.memmap(out / "targets.f32", np.float32, mode, shape=(T, len(TARGETS), L, K))
     write_json_atomic(idx_file, index)
+    prompts = prompts or repeat_prompts_for(model)
     graphdef, params = nnx.split(model)
     bar = tqdm(total=len(rows), initial=done, desc=f"features {out.name}", unit="trace", disable=not progress)
     for i in range(done, len(rows)):
         n = int(lengths[i])
         padded = np.zeros((1, bucket(n, 64)), np.int32)
         padded[0, :n] = rows[i]["tokens"]
-        x, tg = _trace_features(graphdef, params, jnp.asarray(padded), window, jnp.int32(n))
+        x, tg, k, v = _trace_features(graphdef, params, jnp.asarray(padded), window, jnp.int32(n))
         o = int(offsets[i])
         x_mm[o:o + n] = np.asarray(x[:n]).view(np.uint16)
-        t_mm[o:o + n] = np.asarray(tg[:n])
+        t_mm[o:o + n, :len(FUTURE_TARGETS)] = np.asarray(tg[:n])
+        t_mm[o:o + n, len(FUTURE_TARGETS):] = reconstruction_targets(model, k, v, rows[i]["tokens"], prompts,
+                                                                     sinks=prompts.sinks)
         if i % 8 == 7 or i == len(rows) - 1:
             x_mm.flush()
             t_mm.flush()
@@ -146,8 +189,9 @@ def build_split(model, traces_file: Path, out: Path, window: int, max_traces: in
     return index
 
 
-def build_features(cfg: FeatureConfig, *, model=None, progress: bool = True) -> dict:
-    """Run the teacher-feature pass for ``cfg.splits``; returns ``{split: summary}``."""
+def build_features(cfg: FeatureConfig, *, model=None, progress: bool = True, prompts=None) -> dict:
+    """Run the teacher-feature pass for ``cfg.splits``; returns ``{split: summary}``. ``prompts``:
+    the reconstruction request (default: from the model's tokenizer, :func:`build_split`)."""
     import kvjax
     from kvjax.real_model import ensure_model
 
@@ -162,7 +206,7 @@ def build_features(cfg: FeatureConfig, *, model=None, progress: bool = True) -> 
             if not f.exists():
                 raise FileNotFoundError(f"{f}: no traces of split {split!r}; run python -m kvjax.traces first")
             t0 = time.time()
-            index = build_split(model, f, out / split, cfg.window, cfg.max_traces, progress)
+            index = build_split(model, f, out / split, cfg.window, cfg.max_traces, progress, prompts)
             summary[split] = {"traces": len(index["ids"]), "tokens": index["shape_x"][0],
                               "seconds": round(time.time() - t0, 1),
                               "x_gib": round(np.prod(index["shape_x"]) * 2 / 2**30, 2)}

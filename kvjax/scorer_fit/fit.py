@@ -45,7 +45,7 @@ class FitConfig:
     features_dir: str = "runs/features/smollm2"   # output of the feature pass (train/ and valid/ inside)
     out_dir: str = "runs/scorers/smollm2-mlp-mean"
     scorer: Literal["mlp", "mlstm"] = "mlp"
-    target: Literal["mean", "peak", "union"] = "mean"
+    target: Literal["mean", "peak", "union", "recon", "recon_plus"] = "mean"
     steps: int = 300
     lr: float = 3e-3                        # peak learning rate (Adam), after a linear warm-up
     warmup_steps: int = 20

@@ -11,11 +11,16 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 import kvjax
+from kvjax.eviction.kvzip import RepeatPrompts, reconstruction_scores
+from kvjax.eviction.prompt_compressed import _context_cache
 from kvjax.models.attention import dense_attention
 from kvjax.scorer_fit import FeatureConfig, FeatureSplit, FitConfig, build_features, fit_scorers
 from kvjax.targets import future_attention_target, peak_future_attention
 
 WINDOW = 4
+# a reconstruction request for the tokenizer-less tiny model: a 3-token template head, 2 sinks,
+# chunks of 24 tokens (the longer traces are reconstructed in 2-3 passes)
+PROMPTS = RepeatPrompts(head=3, first=(5, 6, 7), later=(8, 9), suffix=(10, 11), sinks=2, chunk=24, postfix=3)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def traces(tmp_path_factory):
 def features(model, traces, tmp_path_factory):
     out = tmp_path_factory.mktemp("feat")
     build_features(FeatureConfig(traces_dir=str(traces), out_dir=str(out), window=WINDOW), model=model,
-                   progress=False)
+                   progress=False, prompts=PROMPTS)
     return out
 
 
@@ -78,6 +83,27 @@ def test_features_equal_a_direct_forward_of_each_trace(model, traces, features):
         assert 0 <= fin.min() and fin.max() < 1          # percentile ranks
 
 
+def test_reconstruction_targets_are_kvzip_scores_of_the_trace_as_a_context(model, traces, features):
+    """``recon`` / ``recon_plus`` equal ``log`` of the kvzip / kvzip_plus policies' own scores of
+    the trace prefilled as a context (the same function on a fresh dense cache), with the sinks
+    untargeted and the unreconstructed template head floored at its head's smallest score."""
+    split = FeatureSplit(features / "train")
+    rows = [json.loads(line) for line in (traces / "train.jsonl").read_text().splitlines()]
+    graphdef, params = nnx.split(model)
+    for i in (1, 3):                                    # 57 and 64 tokens: 3 reconstruction chunks
+        tokens = rows[i]["tokens"]
+        dense = _context_cache(graphdef, params, jnp.asarray([tokens], jnp.int32))
+        for target, plus in (("recon", False), ("recon_plus", True)):
+            s = np.asarray(reconstruction_scores(model, dense.k, dense.v, [tokens], PROMPTS, plus=plus))[:, 0]
+            got = split.targets_of(i, target)                                        # [n, L, K]
+            assert np.isneginf(got[:PROMPTS.sinks]).all() and np.isfinite(got[PROMPTS.sinks:]).all()
+            body = np.log(s[..., PROMPTS.head:len(tokens)])                          # [L, K, n - head]
+            np.testing.assert_allclose(np.transpose(got[PROMPTS.head:], (1, 2, 0)), body, rtol=1e-4, atol=1e-4)
+            floor = np.transpose(got[PROMPTS.sinks:PROMPTS.head], (1, 2, 0))         # template head past sinks
+            np.testing.assert_allclose(floor, np.broadcast_to(body.min(-1, keepdims=True), floor.shape), rtol=1e-5)
+        assert not np.allclose(split.targets_of(i, "recon"), split.targets_of(i, "recon_plus"))
+
+
 def test_feature_pass_resumes_and_refuses_other_inputs(model, traces, features, tmp_path):
     import shutil
 
@@ -93,11 +119,11 @@ def test_feature_pass_resumes_and_refuses_other_inputs(model, traces, features, 
     with pytest.raises(ValueError, match="unfinished .2 of 6"):
         FeatureSplit(copy / "train")
     build_features(FeatureConfig(traces_dir=str(traces), out_dir=str(copy), window=WINDOW), model=model,
-                   progress=False)
+                   progress=False, prompts=PROMPTS)
     assert (copy / "train" / "x.u16").read_bytes() == before
     with pytest.raises(ValueError, match="other inputs .*window"):
         build_features(FeatureConfig(traces_dir=str(traces), out_dir=str(copy), window=WINDOW + 1), model=model,
-                       progress=False)
+                       progress=False, prompts=PROMPTS)
     with pytest.raises(FileNotFoundError, match="run python -m kvjax.traces first"):
         build_features(FeatureConfig(traces_dir=str(tmp_path / "none"), out_dir=str(tmp_path / "f2")), model=model,
                        progress=False)
@@ -110,7 +136,7 @@ def _fit(features, out, **kw):
     return fit_scorers(cfg, progress=False, say=lambda *_: None)
 
 
-@pytest.mark.parametrize("scorer,target", [("mlp", "mean"), ("mlstm", "union")])
+@pytest.mark.parametrize("scorer,target", [("mlp", "mean"), ("mlstm", "union"), ("mlp", "recon_plus")])
 def test_fit_learns_and_exports_loadable_scorers(model, features, tmp_path, scorer, target):
     s = _fit(features, tmp_path / "fit", scorer=scorer, target=target, steps=40)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "fit" / "metrics.jsonl").read_text().splitlines()]
