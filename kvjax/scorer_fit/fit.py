@@ -60,6 +60,9 @@ class FitConfig:
     checkpoint_every: int = 50              # steps between checkpoints (0: only at the end)
     base_model_name: str = "SmolLM2-135M-Instruct"   # recorded in the exported scorer_config.json
     seed: int = 0
+    decay: float | None = None              # every head's recency tilt lambda (priority r_t + lambda t); the
+    #                                         fit does not train it. None: the scorer's softplus(-7) ~ 9e-4;
+    #                                         0 for a target with no recency in it (recon, recon_plus)
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -68,11 +71,17 @@ class FitConfig:
             raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {self.scorer!r}")
         if min(self.steps, self.batch_traces, self.seq_len, self.hidden, self.qk_dim, self.chunk) < 1:
             raise ValueError("steps, batch_traces, seq_len, hidden, qk_dim and chunk must be >= 1")
+        if self.decay is not None and not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1) per token (or null: the scorer's default), got {self.decay}")
 
 
 def fit_scorer(cfg: FitConfig, L: int, K: int, D: int):
-    """The fit's fresh scorer (:func:`kvjax.scorers.build.make_scorer`)."""
-    return make_scorer(cfg.scorer, L, K, D, hidden=cfg.hidden, qk_dim=cfg.qk_dim, seed=cfg.seed + 17)
+    """The fit's fresh scorer (:func:`kvjax.scorers.build.make_scorer`), its decay set to ``cfg.decay``."""
+    scorer = make_scorer(cfg.scorer, L, K, D, hidden=cfg.hidden, qk_dim=cfg.qk_dim, seed=cfg.seed + 17)
+    if cfg.decay is not None:        # rho = softplus^-1(lambda); lambda = 0 as rho = -100 (softplus ~ 4e-44)
+        rho = np.log(np.expm1(cfg.decay)) if cfg.decay > 0 else -100.0
+        scorer.decay_raw[...] = jnp.full(scorer.decay_raw[...].shape, rho, jnp.float32)
+    return scorer
 
 
 def scorer_scores(scorer, x_BSLKX, lengths_B, window: int, chunk: int):

@@ -136,9 +136,12 @@ def _fit(features, out, **kw):
     return fit_scorers(cfg, progress=False, say=lambda *_: None)
 
 
-@pytest.mark.parametrize("scorer,target", [("mlp", "mean"), ("mlstm", "union"), ("mlp", "recon_plus")])
-def test_fit_learns_and_exports_loadable_scorers(model, features, tmp_path, scorer, target):
-    s = _fit(features, tmp_path / "fit", scorer=scorer, target=target, steps=40)
+@pytest.mark.parametrize("scorer,target,decay", [("mlp", "mean", None), ("mlstm", "union", None),
+                                                ("mlp", "recon_plus", 0.0), ("mlp", "recon", 2e-3)])
+def test_fit_learns_and_exports_loadable_scorers(model, features, tmp_path, scorer, target, decay):
+    s = _fit(features, tmp_path / "fit", scorer=scorer, target=target, steps=40, decay=decay, centred=decay is None)
+    decays = np.asarray(json.loads((tmp_path / "fit" / "export" / "scorer_config.json").read_text())["decays"])
+    np.testing.assert_allclose(decays, np.full((2, 2), 9.1147e-4 if decay is None else decay), rtol=1e-4, atol=1e-30)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "fit" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 40 and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
     v = s["valid"]
@@ -162,3 +165,11 @@ def test_fit_resumes_exactly_after_a_stop(features, tmp_path):
         np.testing.assert_array_equal(a[name], b[name])
     with pytest.raises(Exception, match="differs"):
         _fit(features, tmp_path / "b", lr=3e-2)
+
+
+@pytest.mark.parametrize("kw,match", [({"target": "median"}, "target must be one of .*recon_plus"),
+                                      ({"decay": -0.1}, "decay must be in .0, 1."),
+                                      ({"scorer": "gru"}, "scorer must be 'mlp' or 'mlstm'")])
+def test_bad_fit_configs_are_refused_by_name(kw, match):
+    with pytest.raises(ValueError, match=match):
+        FitConfig(**kw)
