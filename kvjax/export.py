@@ -137,6 +137,7 @@ def export_scorers(run_or_policy, out_dir, *, base_model_name: str | None = None
         "lkv_budgets": None if budgets is None else np.asarray(budgets).astype(int).tolist(),
         "base_model": base_model_name, "base_config_sha256": None if base_config is None else config_hash(base_config),
         **({} if trained_with is None else {"trained_with_weights": trained_with}),
+        **({"levels": bool(policy.levels)} if hasattr(policy, "levels") else {}),
     }
     return write_scorer_files(out_dir, tensors, meta)
 

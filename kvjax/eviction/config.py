@@ -54,11 +54,12 @@ class EvictionConfig:
       over its heads): prefill compression, for every static-priority ranker and KeyDiff
       (:func:`kvjax.eviction.prompt_compressed.shared_keep_context`).
     head_norm: how a shared budget (``"global"``, ``"layer"``) compares priorities of different
-      heads: ``"none"`` (as they are: priorities on one scale, the scorers' and oracles' log
-      attention mass, KVzip's attention probability), ``"zscore"`` (each head's priorities over
-      its eligible context tokens standardised to mean 0 and variance 1: K-norm, KeyDiff,
-      random, whose scales differ by head), ``"auto"`` (the ranker's own:
-      ``comparable_priorities``).
+      heads: ``"none"`` (as they are: priorities on one scale, the oracles' log attention mass,
+      KVzip's attention probability, a KVpop scorer fitted to its target's levels (``levels``,
+      not centred)), ``"zscore"`` (each head's priorities over its eligible context tokens
+      standardised to mean 0 and variance 1: K-norm, KeyDiff, random, whose scales differ by
+      head, and centred scorer fits, each head known up to an offset of its own), ``"auto"``
+      (the ranker's own: ``comparable_priorities``).
     """
 
     sinks: int = 4                       # first tokens always kept

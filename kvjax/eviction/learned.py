@@ -26,6 +26,15 @@ from kvjax.eviction.keep_rule import static_priority
 @dataclasses.dataclass(frozen=True)
 class _Learned(StaticPriority):
     scorer_def: Any = None
+    # the scorer learned each head's level of its target (a fit not centred, e.g. on KVzip's
+    # reconstruction score): its priorities compare across heads, and a shared budget reads them as
+    # they are. A centred fit (the default) learns each head's ranking only, up to an offset of its
+    # own, so a shared budget z-scores them first (EvictionConfig.head_norm "auto")
+    levels: bool = False
+
+    @property
+    def comparable_priorities(self) -> bool:
+        return self.levels
 
     def scorer(self, params):
         if params is None or self.scorer_def is None:
@@ -54,7 +63,7 @@ class _Learned(StaticPriority):
 
     @classmethod
     def export_kwargs(cls, meta: dict) -> dict:
-        return {}
+        return {"levels": bool(meta.get("levels", False))}      # exports before the field: centred fits
 
 
 @register
@@ -62,7 +71,6 @@ class _Learned(StaticPriority):
 class KVpopMLP(_Learned):
     name: ClassVar[str] = "kvpop_mlp"
     export_kind: ClassVar[str] = "mlp"
-    comparable_priorities: ClassVar[bool] = True   # a regression of log future-attention mass
 
     @staticmethod
     def make_scorer(meta: dict):
@@ -91,7 +99,6 @@ class KVpopMLP(_Learned):
 class KVpopMLSTM(_Learned):
     name: ClassVar[str] = "kvpop_mlstm"
     export_kind: ClassVar[str] = "mlstm"
-    comparable_priorities: ClassVar[bool] = True   # a regression of log future-attention mass
     chunk: int = 64
 
     @staticmethod
@@ -108,7 +115,7 @@ class KVpopMLSTM(_Learned):
 
     @classmethod
     def export_kwargs(cls, meta: dict) -> dict:
-        return {"chunk": meta["chunk"]}
+        return {**super().export_kwargs(meta), "chunk": meta["chunk"]}
 
     def init_policy_state(self, params, cfg, batch):
         sc = self.scorer(params)
@@ -134,10 +141,11 @@ class KVpopMLSTM(_Learned):
         return static_priority(r_BK[:, :, None], sc.decay(layer), t_B[:, None, None])[:, :, 0], state
 
 
-def from_scorer(scorer, config: EvictionConfig, chunk: int | None = None) -> _Learned:
+def from_scorer(scorer, config: EvictionConfig, chunk: int | None = None, *, levels: bool = False) -> _Learned:
     """The KVpop policy for a trained ``MLPScorer`` or ``MLSTMScorer`` (the one place that maps a
     scorer's type to its policy); ``chunk``: the mLSTM's chunkwise prefill chunk (the MLP reads
-    each token alone and has none)."""
+    each token alone and has none); ``levels``: the scorer was fitted without centring
+    (:attr:`_Learned.levels`)."""
     from kvjax.scorers import MLPScorer, MLSTMScorer
 
     graphdef, state = nnx.split(scorer)
@@ -145,4 +153,4 @@ def from_scorer(scorer, config: EvictionConfig, chunk: int | None = None) -> _Le
     if cls is None:
         raise TypeError(f"from_scorer: expected an MLPScorer or MLSTMScorer, got {type(scorer).__name__}")
     kw = {"chunk": chunk} if chunk is not None and cls is KVpopMLSTM else {}
-    return cls(config, params=nnx.to_pure_dict(state), scorer_def=graphdef, **kw)
+    return cls(config, params=nnx.to_pure_dict(state), scorer_def=graphdef, levels=levels, **kw)

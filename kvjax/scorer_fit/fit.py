@@ -224,7 +224,7 @@ def fit_scorers(cfg: FitConfig, *, progress: bool = True, say=print) -> dict:
         from kvjax.config import ModelConfig
 
         policy = from_scorer(scorer, EvictionConfig(sinks=cfg.sinks, window=train.window, topk=cfg.topk),
-                             chunk=cfg.chunk)
+                             chunk=cfg.chunk, levels=not cfg.centred)
         export_scorers(policy, out / "export", base_model_name=cfg.base_model_name,
                        base_config=ModelConfig.from_hf_config(train.index["model_hf_config"]))
         write_json_atomic(out / "summary.json", summary)

@@ -74,6 +74,33 @@ def test_head_norm_follows_the_ranker_unless_set():
         kvjax.EvictionConfig(2, 4, 8, head_norm="softmax")
 
 
+@pytest.mark.parametrize("levels", [False, True])
+def test_a_scorers_head_norm_follows_its_fit_through_export(tiny, tmp_path, levels):
+    """A centred fit learns each head's ranking up to an offset: z-scored under a shared budget;
+    a fit of the target's levels (``levels``) compares as it is. The export records which, and
+    exports written before the field load as centred."""
+    import json
+
+    from kvjax.eviction.learned import from_scorer
+    from kvjax.scorers import MLPScorer
+
+    cfg = tiny.config
+    ev = kvjax.EvictionConfig(2, 4, 8, budgets="global", prefill="compressed")
+    policy = from_scorer(MLPScorer(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, rngs=nnx.Rngs(0)), ev,
+                         levels=levels)
+    want = "none" if levels else "zscore"
+    assert prompt_compressed(policy, 0.5, [40]).head_norm == want
+    kvjax.export_scorers(policy, tmp_path / "x", base_config=cfg)
+    meta = json.loads((tmp_path / "x" / "scorer_config.json").read_text())
+    assert meta["levels"] is levels
+    loaded = kvjax.load_scorers(tmp_path / "x", model=tiny, compression=None, config=ev)
+    assert loaded.levels is levels and prompt_compressed(loaded, 0.5, [40]).head_norm == want
+    del meta["levels"]
+    (tmp_path / "x" / "scorer_config.json").write_text(json.dumps(meta))
+    old = kvjax.load_scorers(tmp_path / "x", model=tiny, compression=None, config=ev)
+    assert old.levels is False and prompt_compressed(old, 0.5, [40]).head_norm == "zscore"
+
+
 def _scorer_policy(cfg, ev):
     from kvjax.eviction.learned import from_scorer
     from kvjax.scorers import MLPScorer
