@@ -1,5 +1,6 @@
 """Checks of a long-context config made before any work (:class:`~kvjax.longctx.run.LongCtxConfig`
-checks its own values): the policy names, and each ``learned`` folder against its label."""
+checks its own values): the policy names, and each ``learned`` folder against its label; and
+what a learned row's stored records depend on besides its scorer (:func:`learned_rule`)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,13 @@ def check_learned(cfg) -> None:
             raise ValueError(f"learned: label {label!r} names policy {named}, but {folder} holds "
                              f"{'a ' + held if held else 'an unknown'} export (scorer_config.json); point the label "
                              f"at a {named} export or rename it (e.g. {held or 'mine'})")
+
+
+def learned_rule(rule: str | None, policy) -> dict:
+    """What a learned row's records depend on besides its scorer: its budget rule (``None``: the
+    scorer's own), and under a shared budget how the rule compares heads (``head_norm``: the
+    policy's ``comparable_priorities``; a centred scorer is z-scored)."""
+    if rule is None:
+        return {}
+    shared = rule in ("global", "layer")
+    return {"budgets": rule, **({"head_norm": "none" if policy.comparable_priorities else "zscore"} if shared else {})}

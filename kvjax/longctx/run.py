@@ -162,7 +162,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
     from kvjax.eviction.shared_prefill import compress, prefill_context, uncompressed
     from kvjax.export import config_hash
     from kvjax.host_memory import release_free_memory
-    from kvjax.longctx.checks import check_learned
+    from kvjax.longctx.checks import check_learned, learned_rule
     from kvjax.longctx.tasks import Generator, prompt_ids, score
     from kvjax.real_model import ensure_model
     from kvjax.sampling import bucket
@@ -192,8 +192,7 @@ def run_longctx(cfg: LongCtxConfig, *, model=None, tokenizer=None, progress: boo
            "pool": cfg.pool, "question_aware": cfg.question_aware,
            "max_new": cfg.max_new, "tokenizer": hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()[:16]}
     store = ResultsStore(cfg.out_dir, run, policies={
-        **{lbl: {**digests[lbl], **({"budgets": cfg.learned_budgets[lbl]} if lbl in cfg.learned_budgets else {})}
-           for lbl in cfg.learned},
+        **{lbl: {**digests[lbl], **learned_rule(cfg.learned_budgets.get(lbl), learned[lbl])} for lbl in cfg.learned},
         **{lbl: {"variant": v} for lbl, v in cfg.variants.items()}})
     try:
         work = []     # batches of (task, index) of one length; tasks mix, so batches stay full
