@@ -159,6 +159,11 @@ class BoundedPolicy:
                              "in prefill compression (EvictionConfig(prefill='compressed') or "
                              "kvjax.prompt_compressed); bounded throughout it needs priorities known before the "
                              "pass (kvzip, the oracles)")
+        if ev.budgets in ("global", "layer") and type(self).head_budgets is BoundedPolicy.head_budgets:
+            raise ValueError(f"policy {self.name!r}: budgets={ev.budgets!r} bounded throughout needs each head's "
+                             f"share of the shared budget, which {self.name!r} does not split (kvzip splits it "
+                             "from its prompt scores); run it in prefill compression "
+                             "(EvictionConfig(prefill='compressed'))")
         ev.check_fits(cfg.max_position_embeddings)
         budgets = self.head_budgets(params, cfg, batch)
         layers = tuple(init_buffer(ev, batch, cfg.num_kv_heads, cfg.head_dim, dtype, budgets[i])

@@ -157,3 +157,7 @@ def test_a_shared_budget_refuses_what_it_cannot_rank(tiny):
         kvjax.generate(tiny, ctx, 2, policy=prompt_compressed(kvjax.make_policy("snapkv", ev), 0.75, [57]))
     with pytest.raises(ValueError, match="runs in prefill compression"):
         kvjax.generate(tiny, ctx, 2, policy=kvjax.make_policy("knorm", ev))
+    cfg = tiny.config           # an oracle's table is known first, but it makes no per-head split
+    oracle = kvjax.make_policy("oracle", ev, params=jnp.zeros((cfg.num_layers, 1, cfg.num_kv_heads, 64)))
+    with pytest.raises(ValueError, match="'oracle' does not split"):
+        kvjax.generate(tiny, ctx, 2, policy=oracle)
