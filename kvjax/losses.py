@@ -40,11 +40,10 @@ def _masked_mean(x, mask):
 
 
 def regression_loss(r_hat_BKS, r_tgt_BKS, *, centred: bool = False):
-    """Mean squared error on tokens whose target (and, centred, score) is finite; ``centred``:
-    after removing each row's mean difference (see the module docstring)."""
-    ok = jnp.isfinite(r_tgt_BKS)
-    if centred:
-        ok = ok & jnp.isfinite(r_hat_BKS)
+    """Mean squared error on tokens whose target and score are finite (the mLSTM reads a token
+    ``w`` steps late: the last ``w`` of a row have no score, and a reconstruction target has a
+    value there); ``centred``: after removing each row's mean difference (see the module docstring)."""
+    ok = jnp.isfinite(r_tgt_BKS) & jnp.isfinite(r_hat_BKS)
     diff = jnp.where(ok, r_hat_BKS, 0.0) - jnp.where(ok, r_tgt_BKS, 0.0)
     if centred:
         n = jnp.maximum(jnp.sum(ok, axis=-1, keepdims=True), 1)

@@ -137,7 +137,8 @@ def _fit(features, out, **kw):
 
 
 @pytest.mark.parametrize("scorer,target,decay", [("mlp", "mean", None), ("mlstm", "union", None),
-                                                ("mlp", "recon_plus", 0.0), ("mlp", "recon", 2e-3)])
+                                                ("mlp", "recon_plus", 0.0), ("mlp", "recon", 2e-3),
+                                                ("mlstm", "recon", 0.0)])     # targets where the mLSTM has no read
 def test_fit_learns_and_exports_loadable_scorers(model, features, tmp_path, scorer, target, decay):
     s = _fit(features, tmp_path / "fit", scorer=scorer, target=target, steps=40, decay=decay, centred=decay is None)
     decays = np.asarray(json.loads((tmp_path / "fit" / "export" / "scorer_config.json").read_text())["decays"])

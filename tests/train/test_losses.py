@@ -13,6 +13,11 @@ def test_regression_ignores_tokens_without_target():
     r_hat = jnp.array([[[1.0, 2.0, 3.0]]])
     tgt = jnp.array([[[0.0, 4.0, -jnp.inf]]])
     assert float(regression_loss(r_hat, tgt)) == pytest.approx((1.0 + 4.0) / 2)
+    # a token with a target but no score (the mLSTM's last w under a reconstruction target) is left out
+    unread = r_hat.at[0, 0, 1].set(-jnp.inf)
+    assert float(regression_loss(unread, tgt)) == pytest.approx(1.0)
+    g = jax.grad(lambda r: regression_loss(r, tgt))(unread)
+    assert bool(jnp.isfinite(g).all()) and float(g[0, 0, 1]) == 0.0
 
 
 def test_centred_regression_is_the_loss_at_the_best_offset_per_row():
