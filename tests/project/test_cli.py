@@ -16,11 +16,12 @@ import kvjax
 from kvjax.configio import describe_keys, load_config
 from paths import ROOT, TESTS  # noqa: F401
 
-JOBS = ["real-model", "traces", "features", "fit", "train", "evaluate", "longctx", "fidelity", "duo", "dms",
+JOBS = ["real-model", "traces", "haystacks", "features", "fit", "train", "evaluate", "longctx", "fidelity", "duo", "dms",
         "kvpress-compare", "bench", "device-check", "policies", "tasks", "scorers"]
 SHIPPED = {"smollm2-scorers/kvpop-mlp-mean": "kvpop_mlp", "smollm2-scorers/kvpop-mlp-peak": "kvpop_mlp",
            "smollm2-scorers/kvpop-mlp-union": "kvpop_mlp", "smollm2-scorers/kvpop-mlstm-mean": "kvpop_mlstm",
            "smollm2-scorers/lkv": "lkv", "smollm2-scorers/lkv-kvpop-mlstm": "lkv_kvpop_mlstm",
+           "smollm2-scorers/kvpop-mlp-recon": "kvpop_mlp",
            "smollm2-dms": "dms", "smollm2-duo": "duo_attention", "testbed-dms": "dms", "testbed-duo": "duo_attention"}
 
 
@@ -32,10 +33,11 @@ def _config_classes():
     from kvjax.longctx.run import LongCtxConfig
     from kvjax.scorer_fit.features import FeatureConfig
     from kvjax.scorer_fit.fit import FitConfig
+    from kvjax.scorer_fit.haystacks import HaystackConfig
     from kvjax.traces.run import TraceConfig
     from kvjax.train.config import TrainConfig
 
-    return {"traces": TraceConfig, "features": FeatureConfig, "fit": FitConfig, "train": TrainConfig,
+    return {"traces": TraceConfig, "haystacks": HaystackConfig, "features": FeatureConfig, "fit": FitConfig, "train": TrainConfig,
             "evaluate": EvalConfig, "longctx": LongCtxConfig, "fidelity": FidelityConfig, "duo": DuoConfig,
             "dms": DMSConfig}
 
