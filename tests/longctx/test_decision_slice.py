@@ -47,7 +47,9 @@ def test_the_slices_own_records_win_over_the_full_store(res):
         for comp in slc.compressions:                 # dense's one record stands in every column
             stored = _task_average(own, policy, 0.0 if policy == "dense" else comp)
             assert rows[policy][f"slice@{comp:g}"][0] == pytest.approx(stored)
-        assert rows[policy]["seconds"] == pytest.approx(sum(r["seconds"] for r in own if r["policy"] == policy))
+        cols = [0.0] if policy == "dense" else slc.compressions    # the store may hold other columns (94%)
+        assert rows[policy]["seconds"] == pytest.approx(sum(r["seconds"] for r in own if r["policy"] == policy
+                                                            and r["compression"] in cols))
     full_dense = sum(r["seconds"] for r in _records("results/longctx/smollm2-compressed") if r["policy"] == "dense"
                      and r["length"] == 1024 and r["index"] < 32 and r["task"] in TASKS)
     assert rows["dense"]["seconds"] != pytest.approx(full_dense)      # the two stores differ: the test can fail
