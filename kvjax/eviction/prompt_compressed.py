@@ -56,6 +56,15 @@ def _context_sets(S: int, context_B, sinks: int, window: int):
     return protected, (t < n) & ~protected
 
 
+def resolved_head_norm(ranker) -> str:
+    """``ranker``'s ``EvictionConfig.head_norm`` with ``"auto"`` resolved: as they are for a
+    ranker with ``comparable_priorities``, z-scored per head otherwise."""
+    how = ranker.effective().head_norm
+    if how != "auto":
+        return how
+    return "none" if ranker.comparable_priorities else "zscore"
+
+
 def keep_context(prio_BKS, context_B, keep_B, *, sinks: int, window: int) -> jax.Array:
     """``bool [B, K, S]``: the context tokens kept by the rule of the module docstring
     (false for ``t >= n_b``). ``keep``: tokens kept per row ``[B]`` or per row and head
@@ -167,10 +176,7 @@ class PromptCompressed:
     def head_norm(self) -> str:
         """How the shared budget compares heads (``EvictionConfig.head_norm``; ``"auto"``: as they
         are for rankers with ``comparable_priorities``, z-scored per head otherwise)."""
-        how = self.ranker.effective().head_norm
-        if how != "auto":
-            return how
-        return "none" if self.ranker.comparable_priorities else "zscore"
+        return resolved_head_norm(self.ranker)
 
     def prepare(self, model, tokens_BS, lengths_B) -> "PromptCompressed":
         """A ranker that scores its context by a pass of its own (KVzip's reconstruction) runs it

@@ -91,9 +91,11 @@ def check_learned(cfg) -> None:
 
 def learned_rule(rule: str | None, policy) -> dict:
     """What a learned row's records depend on besides its scorer: its budget rule (``None``: the
-    scorer's own), and under a shared budget how the rule compares heads (``head_norm``: the
-    policy's ``comparable_priorities``; a centred scorer is z-scored)."""
+    scorer's own), and under a shared budget how the rule compares heads
+    (:func:`kvjax.eviction.prompt_compressed.resolved_head_norm`; a centred scorer is z-scored)."""
+    from kvjax.eviction.prompt_compressed import resolved_head_norm
+
     if rule is None:
         return {}
     shared = rule in ("global", "layer")
-    return {"budgets": rule, **({"head_norm": "none" if policy.comparable_priorities else "zscore"} if shared else {})}
+    return {"budgets": rule, **({"head_norm": resolved_head_norm(policy)} if shared else {})}
